@@ -1,0 +1,134 @@
+"""The MLA attention backend protocol and the batch description every backend reads.
+
+MLA runs in absorbed (latent) form: a query is ``[tokens, heads, 576]`` (512 latent dims after
+W_UK absorption + 64 rope dims), the cache holds one shared 576-wide row per token
+(``[num_pages, page_size, 576]`` per layer) and the output is ``[tokens, heads, 512]`` (latent,
+before W_UV). ``attn/`` knows nothing about EAGLE beyond :class:`ForwardMode`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+KV_LORA_RANK = 512
+QK_ROPE_DIM = 64
+KV_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576
+
+
+class ForwardMode(enum.Enum):
+    """What a forward pass computes; decides the query layout and masking."""
+
+    DECODE = "decode"  # q_len tokens per request (1, or topk with a tree mask while drafting)
+    EXTEND = "extend"  # prefill: variable q_len per request, causal
+    TARGET_VERIFY = "target_verify"  # num_draft_tokens per request, causal or tree mask
+    DRAFT_EXTEND = "draft_extend"  # fixed tokens per request (num_steps + 1), causal
+
+
+@dataclass
+class KVCacheView:
+    """The paged KV storage a backend reads and writes; owned by the engine (specdec.kv).
+
+    kv_buffers: one ``[num_pages, page_size, 576]`` tensor per layer (bf16, fp32, or fp8_e4m3).
+    req_to_token: ``[max_reqs, max_context_len]`` int32, token slot (page * page_size + offset)
+        of each position of each request; positions of a request lie in its pages in order, so
+        ``req_to_token[r, ::page_size] // page_size`` is its block table.
+    kv_scale: per-tensor dequantisation scale of an fp8 cache (1.0 otherwise).
+    """
+
+    kv_buffers: Sequence[torch.Tensor]
+    req_to_token: torch.Tensor
+    page_size: int
+    kv_scale: float = 1.0
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_to_token.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.req_to_token.device
+
+
+@dataclass
+class AttnBatch:
+    """One forward pass as the attention backend sees it. All tensors live on the model's device.
+
+    mode: the forward mode.
+    req_pool_indices: ``[B]`` int64, rows of ``req_to_token``.
+    seq_lens: ``[B]`` int32, kv length of each request *after* this pass (its new tokens included).
+    out_cache_loc: ``[T]`` int64, cache slot each new token's KV row is written to.
+    cu_seqlens_q: ``[B + 1]`` int32, query-token offsets (compact layout).
+    max_q_len: static host bound of the per-request query length; equal to every request's q_len
+        when ``uniform_q_len`` is True (decode, verify, draft-extend, draft tree steps).
+    uniform_q_len: every request has exactly ``max_q_len`` query tokens.
+    custom_mask: ``[B, max_q_len, M]`` bool or None: visibility of the last M kv positions of each
+        request (earlier positions are always visible). None means causal.
+    seq_lens_cpu: host copy of ``seq_lens``; only backends with ``needs_cpu_seq_lens`` read it.
+    """
+
+    mode: ForwardMode
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_q_len: int
+    uniform_q_len: bool
+    custom_mask: Optional[torch.Tensor] = None
+    seq_lens_cpu: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.shape[0]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Static per-model attention facts a backend needs.
+
+    num_heads: query heads per layer (16..128). sm_scale: softmax scale of the 192-wide
+    (nope 128 + rope 64) head, YaRN mscale included.
+    """
+
+    num_heads: int
+    sm_scale: float
+
+
+class AttentionBackend(Protocol):
+    """What the model and the worker call; implemented by :class:`attn.paged.PagedMLABackend`.
+
+    Capabilities are attributes so callers never test a backend's class.
+    """
+
+    name: str
+    needs_cpu_seq_lens: bool  # False: never reads seq_lens_cpu, a spec step stays sync-free
+    supports_tree_mask: bool  # can attend with a custom (topk > 1) tree mask
+    supports_cuda_graph: bool
+
+    def init_forward_metadata(self, batch: AttnBatch) -> None:
+        """Build per-pass metadata (block tables, scales); call once per forward, before layers."""
+
+    def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
+        """Write ``kv_new`` ``[T, 576]`` into the cache at ``batch.out_cache_loc``, then attend.
+
+        q: ``[T, H, 576]``; returns ``[T, H, 512]`` in q's dtype.
+        """
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static metadata buffers graphs capture against (largest sizes)."""
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: AttnBatch) -> None:
+        """Metadata for a capture: like init_forward_metadata but into the static buffers."""
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: AttnBatch) -> None:
+        """Refresh the static buffers in place for a replay of a graph captured at this shape."""
+
+    def get_verify_buffers_to_fill_after_draft(self) -> list[Optional[torch.Tensor]]:
+        """Preallocated buffers the tree builder writes in place: ``[tree_mask or None]``."""

@@ -1,0 +1,195 @@
+"""The shared paged-MLA backend: metadata on the device, one method per kernel call.
+
+Block tables and seq_lens are built on the device from ``req_to_token`` for every mode, with no
+host sync, so ``needs_cpu_seq_lens`` is False. Kernel families subclass this and override only
+``_run_decode_kernel`` / ``_run_prefill_kernel`` and their class attributes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attn.base import KV_DIM, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec
+from attn.reference import token_to_request
+
+
+@dataclass
+class PagedMetadata:
+    """Per-pass kernel arguments, all on the device.
+
+    block_tables: ``[B, max_pages]`` int32; seq_lens: ``[B]`` int32; cu_seqlens_q: ``[B + 1]`` int32;
+    max_seq_len: static host bound of the kv length (the table width in tokens).
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seq_len: int
+
+
+class PagedMLABackend:
+    """Paged MLA attention over a shared ``[num_pages, page_size, 576]`` pool per layer.
+
+    Class attributes are the family's capabilities and constraints; the registry validates
+    them before construction, so no kernel library is asked to work on an unsupported setup.
+    """
+
+    name = "paged"
+    kernel_family = "reference"  # which workspace the family owns (attn.workspace)
+    needs_cpu_seq_lens = False
+    supports_tree_mask = False
+    supports_cuda_graph = True
+    supports_prefill = True
+    prefill_fallback: Optional[str] = None  # backend serving prefill/draft-extend for decode-only kernels
+    required_sm: Optional[tuple[int, ...]] = None  # compute-capability majors the kernel runs on
+    page_sizes: Optional[tuple[int, ...]] = None  # None: any page size
+    kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp32", "fp8_e4m3")
+    workspace_bytes = 0
+
+    def __init__(
+        self,
+        kv: KVCacheView,
+        layer: LayerSpec,
+        max_batch_size: int,
+        max_q_len: int,
+        max_mask_len: int = 0,
+    ) -> None:
+        """max_q_len / max_mask_len size the preallocated tree-mask buffer
+        ``[max_batch_size, max_q_len, max_mask_len]`` bool (tree-mask backends only)."""
+        self.kv = kv
+        self.layer = layer
+        self.page_size = kv.page_size
+        self.max_pages = math.ceil(kv.max_context_len / kv.page_size)
+        self.max_batch_size = max_batch_size
+        self.metadata: Optional[PagedMetadata] = None
+        self._graph_buffers: Optional[PagedMetadata] = None
+        self.tree_mask: Optional[torch.Tensor] = None
+        if self.supports_tree_mask and max_mask_len > 0:
+            self.tree_mask = torch.zeros(max_batch_size, max_q_len, max_mask_len, dtype=torch.bool, device=kv.device)
+        self.workspace = self._allocate_workspace()
+
+    def _allocate_workspace(self) -> Optional[torch.Tensor]:
+        from attn.workspace import get_workspace
+
+        if self.workspace_bytes == 0:
+            return None
+        return get_workspace(self.kernel_family, self.workspace_bytes, self.kv.device)
+
+    # ----------------------------------------------------------------- metadata
+    def init_forward_metadata(self, batch: AttnBatch, shared_block_tables: Optional[torch.Tensor] = None) -> None:
+        """Block tables from ``req_to_token`` on the device; into the static buffers if any.
+
+        shared_block_tables: ``[B, max_pages]`` int32 built by another backend over the same
+        requests (the multi-step draft's steps share one table); used as is, not copied.
+        """
+        bs = batch.batch_size
+        tables = shared_block_tables
+        if tables is None:
+            tables = (self.kv.req_to_token[batch.req_pool_indices][:, :: self.page_size] // self.page_size).int()
+        if self._graph_buffers is None:
+            self.metadata = PagedMetadata(tables, batch.seq_lens.int(), batch.cu_seqlens_q.int(), self.max_pages * self.page_size)
+            return
+        static = self._graph_buffers
+        if shared_block_tables is None:
+            static.block_tables[:bs].copy_(tables)
+            tables = static.block_tables[:bs]
+        static.seq_lens[:bs].copy_(batch.seq_lens)
+        static.cu_seqlens_q[: bs + 1].copy_(batch.cu_seqlens_q)
+        self.metadata = PagedMetadata(tables, static.seq_lens[:bs], static.cu_seqlens_q[: bs + 1], static.max_seq_len)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        device = self.kv.device
+        self._graph_buffers = PagedMetadata(
+            block_tables=torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+            max_seq_len=self.max_pages * self.page_size,
+        )
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: AttnBatch) -> None:
+        self.init_forward_metadata(batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: AttnBatch) -> None:
+        self.init_forward_metadata(batch)
+
+    def get_verify_buffers_to_fill_after_draft(self) -> list[Optional[torch.Tensor]]:
+        return [self.tree_mask]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
+        cache = self.kv.kv_buffers[layer_id]
+        self._write_kv(cache, kv_new, batch.out_cache_loc)
+        md = self.metadata
+        if md is None:
+            raise RuntimeError(f"{self.name}: init_forward_metadata was not called before forward")
+        if batch.custom_mask is not None and not self.supports_tree_mask:
+            raise ValueError(f"{self.name} cannot attend with a tree mask; use topk=1 or a tree-mask backend")
+        if batch.uniform_q_len:
+            bs, q_len = batch.batch_size, batch.max_q_len
+            out = self._run_decode_kernel(
+                q.view(bs, q_len, *q.shape[1:]), cache, md.block_tables, md.seq_lens, md.max_seq_len, batch.custom_mask
+            )
+            return out.reshape(q.shape[0], q.shape[1], KV_LORA_RANK)
+        if batch.mode is not ForwardMode.EXTEND or not self.supports_prefill:
+            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND)")
+        return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
+
+    def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:
+        flat = cache.view(-1, KV_DIM)
+        if cache.dtype == torch.float8_e4m3fn:
+            kv_new = (kv_new.float() / self.kv.kv_scale).to(cache.dtype)
+        flat.index_copy_(0, loc, kv_new.to(cache.dtype))
+
+    def bmm1_scale(self) -> float:
+        """Scale applied to q·K: k_scale (fp8 cache only) * softmax scale."""
+        return self.bmm2_scale() * self.layer.sm_scale
+
+    def bmm2_scale(self) -> float:
+        """Scale applied to softmax·V: the v (= k) scale of an fp8 cache."""
+        return self.kv.kv_scale if self.kv.kv_buffers[0].dtype == torch.float8_e4m3fn else 1.0
+
+    # ------------------------------------------------------------- kernel seam
+    def _run_decode_kernel(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        custom_mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """The one kernel call of uniform-q modes (decode, verify, draft-extend, draft steps).
+
+        query: ``[B, q_len, H, 576]``; kv_cache: ``[num_pages, page_size, 576]``;
+        block_tables: ``[B, max_pages]`` int32; seq_lens: ``[B]`` int32 (new tokens included);
+        custom_mask: ``[B, q_len, M]`` bool or None (causal). Returns ``[B, q_len, H, 512]``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no decode kernel")
+
+    def _run_prefill_kernel(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        max_q_len: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
+
+        Default: right-align each request's tokens in a ``[B, max_q_len]`` grid and run the decode
+        kernel (rows before a request's first token are padding and are dropped).
+        """
+        bs = block_tables.shape[0]
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        req, idx = token_to_request(cu_seqlens_q, query.shape[0])
+        col = max_q_len - q_lens.long()[req] + idx
+        padded = query.new_zeros(bs, max_q_len, *query.shape[1:])
+        padded[req, col] = query
+        out = self._run_decode_kernel(padded, kv_cache, block_tables, seq_lens, max_seq_len, None)
+        return out[req, col]

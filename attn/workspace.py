@@ -1,0 +1,24 @@
+"""One workspace buffer per kernel family and device.
+
+Families never share a buffer: cute-dsl's split-KV partials would overwrite trtllm-gen's
+zero-initialised multi-CTA counters (upstream saw a deadlock when the two shared one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def get_workspace(family: str, num_bytes: int, device: torch.device) -> torch.Tensor:
+    """The zero-initialised ``[num_bytes]`` uint8 workspace of ``family`` on ``device``.
+
+    Grows (re-zeroed) if a later user needs more; every user of a family gets the same buffer.
+    """
+    key = (family, str(torch.device(device)))
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < num_bytes:
+        buf = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        _WORKSPACES[key] = buf
+    return buf

@@ -1,0 +1,48 @@
+"""Building the AttnBatch of each pass from request rows and kv indices, on the device."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from attn.base import AttnBatch, ForwardMode
+
+
+def uniform_batch(
+    mode: ForwardMode,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    first_index: torch.Tensor,
+    q_len: int,
+    seq_lens: torch.Tensor,
+    custom_mask: Optional[torch.Tensor] = None,
+) -> AttnBatch:
+    """A pass with ``q_len`` new tokens per request, stored at kv indices
+    ``first_index .. first_index + q_len - 1`` of each request.
+
+    rows: ``[B]`` int64 req_to_token rows; first_index / seq_lens: ``[B]`` int64 (device).
+    """
+    device = rows.device
+    offsets = torch.arange(q_len, device=device)
+    out_cache_loc = req_to_token[rows[:, None], first_index[:, None] + offsets[None, :]].flatten().long()
+    cu = torch.arange(0, (rows.shape[0] + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask)
+
+
+def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int]) -> AttnBatch:
+    """A prefill pass: request ``rows[i]`` gets ``lengths[i]`` new tokens from kv index ``starts[i]``.
+
+    Host lists (prefill sizes are known on the host); tensors are built on req_to_token's device.
+    """
+    device = req_to_token.device
+    row_t = torch.tensor(rows, dtype=torch.long, device=device)
+    index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+    row_of_token = torch.repeat_interleave(row_t, torch.tensor(lengths, device=device))
+    out_cache_loc = req_to_token[row_of_token, index].long()
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    seq_lens = torch.tensor([s + n for s, n in zip(starts, lengths)], dtype=torch.int32)
+    return AttnBatch(
+        ForwardMode.EXTEND, row_t, seq_lens.to(device), out_cache_loc, cu, max(lengths), False,
+        seq_lens_cpu=seq_lens,
+    )

@@ -1,0 +1,108 @@
+"""SpecConfig: every setting of the spec-decode worker, validated once, up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from attn.registry import BackendChoice, check_kv_dtype, check_page_size, check_tree_support, resolve_backends
+from specdec.kv import KV_DTYPES
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the setting and what to change."""
+
+
+DRAFT_MODES = ("eagle", "standalone")
+
+
+@dataclass
+class SpecConfig:
+    """Spec-decode settings.
+
+    num_steps: draft forwards per step (tree depth). topk: branches kept per draft step.
+    num_draft_tokens: verified tree nodes per request, the root (last verified token) included;
+        must be num_steps + 1 for topk = 1, at most ``1 + topk + (num_steps - 1) * topk**2`` otherwise.
+    draft_mode: "eagle" (MTP/EAGLE head fed the target's hidden states) or "standalone"
+        (an ordinary LM of the target's architecture).
+    attention_backend: target backend (verify, decode). decode_backend: the draft's multi-step
+        backend (default: attention_backend). prefill_backend: prefill and draft-extend
+        (default: attention_backend, or its family's fallback; see attn.registry).
+    page_size: tokens per KV page; must divide max_context_len.
+    kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp32" or "fp8_e4m3".
+    max_batch_size / max_context_len / num_pages: pool and buffer sizes (num_pages per pool).
+    cuda_graph_batch_sizes: buckets for CUDA graphs; empty disables graphs.
+    """
+
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: Optional[int] = None
+    draft_mode: str = "eagle"
+    attention_backend: str = "torch_ref"
+    decode_backend: Optional[str] = None
+    prefill_backend: Optional[str] = None
+    page_size: int = 16
+    kv_dtype: str = "auto"
+    max_batch_size: int = 8
+    max_context_len: int = 512
+    num_pages: Optional[int] = None
+    cuda_graph_batch_sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens is None and self.topk == 1:
+            self.num_draft_tokens = self.num_steps + 1
+        self.validate()
+        if self.num_pages is None:
+            # Every request at full context, plus the padding page (each pool is sized alike).
+            self.num_pages = self.max_batch_size * (self.max_context_len // self.page_size) + 1
+
+    @property
+    def backends(self) -> BackendChoice:
+        return resolve_backends(self.attention_backend, self.decode_backend, self.prefill_backend)
+
+    def validate(self) -> None:
+        if self.num_steps < 1:
+            raise ConfigError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.topk < 1:
+            raise ConfigError(f"topk must be >= 1, got {self.topk}")
+        if self.num_draft_tokens is None:
+            raise ConfigError("num_draft_tokens must be set when topk > 1 (tree size including the root)")
+        if self.topk > self.num_draft_tokens:
+            raise ConfigError(f"topk ({self.topk}) must not exceed num_draft_tokens ({self.num_draft_tokens})")
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ConfigError(
+                f"with topk=1 the tree is a chain: num_draft_tokens must be num_steps + 1 = {self.num_steps + 1}, "
+                f"got {self.num_draft_tokens}"
+            )
+        if self.num_draft_tokens - 1 > self.max_tree_candidates or self.num_draft_tokens < 2:
+            raise ConfigError(
+                f"num_draft_tokens ({self.num_draft_tokens}) must be in [2, {1 + self.max_tree_candidates}] "
+                f"for num_steps={self.num_steps}, topk={self.topk}"
+            )
+        if self.draft_mode not in DRAFT_MODES:
+            raise ConfigError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be 'auto' or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        try:
+            choice = self.backends
+            self.page_size = check_page_size(choice, self.page_size)
+            check_kv_dtype(choice, self.kv_dtype)
+            check_tree_support(choice, self.topk)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.page_size < 1 or self.max_context_len % self.page_size:
+            raise ConfigError(f"page_size ({self.page_size}) must divide max_context_len ({self.max_context_len})")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if any(bs < 1 or bs > self.max_batch_size for bs in self.cuda_graph_batch_sizes):
+            raise ConfigError(f"cuda_graph_batch_sizes must lie in [1, max_batch_size={self.max_batch_size}], got {self.cuda_graph_batch_sizes}")
+
+    @property
+    def max_tree_candidates(self) -> int:
+        """Draft candidates a tree can choose from: topk at the first step, topk**2 after."""
+        return self.topk + (self.num_steps - 1) * self.topk**2
+
+    @property
+    def draft_region_len(self) -> int:
+        """Draft-pool positions past the verified prefix one step writes (drafts or draft-extend)."""
+        return max(self.num_steps + 1, (self.num_steps - 1) * self.topk)

@@ -1,0 +1,113 @@
+"""Paged MLA KV pool: per-layer ``[num_pages, page_size, 576]`` storage, page allocator, req_to_token.
+
+Each request owns whole pages; position p of request r lives in slot
+``pages[p // page_size] * page_size + p % page_size`` and ``req_to_token[r, p]`` holds that slot.
+Page 0 is never handed out: padded rows of CUDA graphs write their KV there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from attn.base import KV_DIM, KVCacheView
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+
+PADDING_PAGE = 0
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has too few free pages for a request; nothing was allocated."""
+
+
+@dataclass
+class _Request:
+    pages: list[int] = field(default_factory=list)
+
+
+class MLAKVPool:
+    """KV storage for ``num_layers`` MLA layers and the request -> slot map.
+
+    kv_buffers[layer]: ``[num_pages, page_size, 576]`` of ``dtype``.
+    req_to_token: ``[max_requests, max_context_len]`` int32 (max_context_len a multiple of page_size).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        max_requests: int,
+        max_context_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        kv_scale: float = 1.0,
+    ) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is the padding sink), got {num_pages}")
+        if max_context_len % page_size:
+            raise ValueError(f"max_context_len {max_context_len} must be a multiple of page_size {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.kv_buffers = [torch.zeros(num_pages, page_size, KV_DIM, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.int32, device=self.device)
+        self.kv_scale = kv_scale
+        self._free_pages = list(range(num_pages - 1, PADDING_PAGE, -1))  # pop() hands out low pages first
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._requests: dict[int, _Request] = {}
+
+    def view(self) -> KVCacheView:
+        """What attention backends see of this pool."""
+        return KVCacheView(self.kv_buffers, self.req_to_token, self.page_size, self.kv_scale)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def alloc_request(self) -> int:
+        """Reserve a req_to_token row; returns its index."""
+        if not self._free_rows:
+            raise OutOfPagesError(f"all {self.req_to_token.shape[0]} request rows are in use; raise max_requests")
+        row = self._free_rows.pop()
+        self._requests[row] = _Request()
+        return row
+
+    def ensure_capacity(self, row: int, num_tokens: int) -> None:
+        """Give request ``row`` pages for positions ``[0, num_tokens)``; all or nothing."""
+        req = self._requests[row]
+        if num_tokens > self.max_context_len:
+            raise ValueError(f"{num_tokens} tokens exceed max_context_len {self.max_context_len}")
+        need = math.ceil(num_tokens / self.page_size) - len(req.pages)
+        if need <= 0:
+            return
+        if need > len(self._free_pages):
+            raise OutOfPagesError(f"need {need} more KV pages, {len(self._free_pages)} free; raise num_pages")
+        new = [self._free_pages.pop() for _ in range(need)]
+        first = len(req.pages)
+        req.pages.extend(new)
+        self._write_slots(row, first, new)
+
+    def trim(self, row: int, num_tokens: int) -> None:
+        """Return the pages of request ``row`` past position ``num_tokens`` (rejected drafts)."""
+        req = self._requests[row]
+        keep = math.ceil(num_tokens / self.page_size)
+        while len(req.pages) > keep:
+            self._free_pages.append(req.pages.pop())
+
+    def free_request(self, row: int) -> None:
+        """Return every page of request ``row`` and its row."""
+        self.trim(row, 0)
+        del self._requests[row]
+        self._free_rows.append(row)
+
+    def _write_slots(self, row: int, first_page: int, pages: list[int]) -> None:
+        ps = self.page_size
+        page_ids = torch.tensor(pages, dtype=torch.int32)
+        slots = (page_ids[:, None] * ps + torch.arange(ps, dtype=torch.int32)[None, :]).flatten()
+        start = first_page * ps
+        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.device, non_blocking=True)

@@ -1,0 +1,109 @@
+"""Draft-tree construction: top-k per step, candidate bookkeeping, the verify tree and its mask.
+
+Follows EAGLE-2: every drafted token carries the product of the draft probabilities along its
+path; each step expands the ``topk`` best frontier nodes; the verify tree is the root plus the
+``num_draft_tokens - 1`` best candidates. A child never scores above its parent, and a stable
+sort breaks ties by candidate index (parents come first), so the chosen set is ancestor-closed.
+All shapes are static: nothing here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax then top-k. logits ``[N, V]`` -> (probs ``[N, k]`` fp32, ids ``[N, k]`` int64)."""
+    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+
+
+@dataclass
+class VerifyTree:
+    """The tree verified for each request; node 0 is the root (last verified token).
+
+    tokens / parents / depth / child_rank: ``[B, ndt]`` int64 (root: parent 0, depth 0, rank 0);
+    child_rank is the token's rank among its parent's draft top-k (0 = the draft's greedy choice).
+    mask: ``[B, ndt, ndt]`` bool, ``mask[b, i, j]``: node j is an ancestor of node i or i itself.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    child_rank: torch.Tensor
+    mask: torch.Tensor
+
+
+class DraftTree:
+    """Accumulates the candidates of one multi-step draft for a batch of ``B`` requests.
+
+    The frontier (``topk`` nodes per request) is what the next draft forward consumes.
+    """
+
+    def __init__(self, probs: torch.Tensor, ids: torch.Tensor) -> None:
+        """Start from the first step's top-k: probs / ids ``[B, topk]``."""
+        batch, self.topk = ids.shape
+        device = ids.device
+        self.scores = [probs]
+        self.tokens = [ids]
+        self.parents = [torch.full_like(ids, -1)]
+        self.ranks = [torch.arange(self.topk, device=device).expand(batch, -1)]
+        self.frontier_scores = probs
+        self.frontier_index = torch.arange(self.topk, device=device).expand(batch, -1)  # candidate index
+        self.frontier_tokens = ids
+        self.frontier_parent = torch.zeros_like(ids)  # which previous frontier slot each node grew from
+        self._num_candidates = self.topk
+
+    def grow(self, probs: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add the children of every frontier node and pick the next frontier.
+
+        probs / ids: ``[B, topk (frontier), topk (children)]`` from one draft forward.
+        """
+        batch, k = self.frontier_scores.shape
+        cumulative = (self.frontier_scores[:, :, None] * probs).flatten(1)  # [B, k*k]
+        parents = self.frontier_index[:, :, None].expand(-1, -1, k).flatten(1)
+        self.scores.append(cumulative)
+        self.tokens.append(ids.flatten(1))
+        self.parents.append(parents)
+        self.ranks.append(torch.arange(k, device=ids.device).repeat(k).expand(batch, -1))
+        order = torch.sort(cumulative, dim=1, descending=True, stable=True).indices[:, :k]
+        self.frontier_scores = cumulative.gather(1, order)
+        self.frontier_tokens = ids.flatten(1).gather(1, order)
+        self.frontier_parent = order // k
+        self.frontier_index = order + self._num_candidates
+        self._num_candidates += k * k
+
+    def build(self, root: torch.Tensor, num_draft_tokens: int, num_steps: int, mask_out: Optional[torch.Tensor] = None) -> VerifyTree:
+        """Choose the best ``num_draft_tokens - 1`` candidates and lay out the verify tree.
+
+        root: ``[B]`` int64 last verified tokens. mask_out: the backend's preallocated
+        ``[max_bs, >= ndt, >= ndt]`` bool buffer, filled in place (a new tensor if None).
+        """
+        scores = torch.cat(self.scores, dim=1)
+        tokens = torch.cat(self.tokens, dim=1)
+        parents = torch.cat(self.parents, dim=1)
+        ranks = torch.cat(self.ranks, dim=1)
+        batch, device, n = root.shape[0], root.device, num_draft_tokens - 1
+        chosen = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+        chosen = chosen.sort(dim=1).values  # candidate order puts parents before children
+
+        node_of = torch.zeros(batch, scores.shape[1] + 1, dtype=torch.long, device=device)  # slot 0: root (-1)
+        node_of.scatter_(1, chosen + 1, torch.arange(1, n + 1, device=device).expand(batch, -1))
+        chosen_parents = parents.gather(1, chosen)
+        tree_parents = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), node_of.gather(1, chosen_parents + 1)], 1)
+        tree_tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
+        tree_ranks = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), ranks.gather(1, chosen)], 1)
+
+        eye = torch.eye(n + 1, dtype=torch.bool, device=device).expand(batch, -1, -1)
+        mask = eye.clone()
+        ancestor = tree_parents
+        for _ in range(num_steps):  # walk up: the tree is at most num_steps deep
+            mask |= torch.nn.functional.one_hot(ancestor, n + 1).bool()
+            ancestor = tree_parents.gather(1, ancestor)
+        depth = mask.sum(-1) - 1
+        if mask_out is not None:
+            mask_out[:batch, : n + 1, : n + 1].copy_(mask)
+            mask = mask_out[:batch, : n + 1, : n + 1]
+        return VerifyTree(tree_tokens, tree_parents, depth, tree_ranks, mask)

@@ -1,0 +1,51 @@
+"""Greedy verification of a draft tree: which path the target agrees with, and the bonus token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.tree import VerifyTree
+
+
+@dataclass
+class AcceptResult:
+    """Per request: accept_len ``[B]`` int64 accepted draft tokens (0..num_steps);
+    path ``[B, num_steps + 1]`` int64 tree nodes of the accepted path (path[:, 0] = root; entries
+    past accept_len repeat the last accepted node); emitted ``[B, num_steps + 1]`` int64: the
+    accepted draft tokens then the bonus token, -1 past ``accept_len + 1``; bonus ``[B]``."""
+
+    accept_len: torch.Tensor
+    path: torch.Tensor
+    emitted: torch.Tensor
+    bonus: torch.Tensor
+
+
+def greedy_accept(tree: VerifyTree, target_pred: torch.Tensor, num_steps: int) -> AcceptResult:
+    """Accept the longest tree path whose every token is the target's argmax at its parent.
+
+    target_pred: ``[B, ndt]`` int64, the target's argmax after each tree node. Siblings carry
+    distinct tokens, so at most one path matches.
+    """
+    batch, ndt = tree.tokens.shape
+    device = tree.tokens.device
+    correct = tree.tokens == target_pred.gather(1, tree.parents)
+    correct[:, 0] = True
+    accepted = correct.clone()
+    for _ in range(num_steps):  # a node is accepted when it and all its ancestors are correct
+        accepted = correct & accepted.gather(1, tree.parents)
+    last = (accepted * (tree.depth + 1)).argmax(dim=1)  # the deepest accepted node
+    accept_len = tree.depth.gather(1, last[:, None]).squeeze(1)
+
+    on_path = tree.mask[torch.arange(batch, device=device), last]  # ancestors of `last`, itself included
+    steps = torch.arange(num_steps + 1, device=device)
+    at_depth = on_path[:, None, :] & (tree.depth[:, None, :] == steps[None, :, None])  # [B, S+1, ndt]
+    path = torch.where(at_depth.any(-1), at_depth.int().argmax(-1), last[:, None])
+    bonus = target_pred.gather(1, last[:, None]).squeeze(1)
+
+    drafted = tree.tokens.gather(1, path[:, 1:])  # [B, num_steps]
+    emitted = torch.cat([drafted, torch.full_like(bonus[:, None], -1)], dim=1)
+    emitted.scatter_(1, accept_len[:, None], bonus[:, None])
+    emitted[steps[None, :] > accept_len[:, None]] = -1
+    return AcceptResult(accept_len, path, emitted, bonus)

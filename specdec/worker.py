@@ -1,0 +1,335 @@
+"""EagleWorker: the spec-decode step. draft -> build tree -> verify -> accept -> draft-extend.
+
+Conventions. A request's target has KV for positions ``[0, N)``; its root token t_N (the last
+emitted token) is not yet in the target's cache. The EAGLE draft processes token t_{p+1} with the
+target hidden state h_p at draft position p, so its cache covers ``[0, N)`` too; a standalone
+draft processes t_p at position p and covers ``[0, N]``. ``draft_offset`` (0 or 1) is that shift.
+Inside a step nothing reads a device value on the host; the emitted tokens reach the host by one
+copy at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from attn.base import AttnBatch, ForwardMode
+from attn.multistep import MultiStepDraftBackend
+from attn.registry import check_device
+from specdec.batch import extend_batch, uniform_batch
+from specdec.config import SpecConfig
+from specdec.draft import DraftModel
+from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
+from specdec.tree import DraftTree, VerifyTree, topk_probs
+from specdec.verify import AcceptResult, greedy_accept
+
+
+@dataclass
+class Request:
+    """Host-side view of one request. ``seq_len`` is N: target KV length (root excluded)."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_id: Optional[int]
+    target_row: int
+    draft_row: int
+    seq_len: int = 0
+    output: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class DecodeState:
+    """Device state of the running batch, aligned with ``EagleWorker.requests``.
+
+    root ``[B]`` int64; seq_lens ``[B]`` int64 (N); hidden ``[B, D]`` the draft's last hidden state;
+    cand_probs / cand_ids ``[B, topk]``: the first draft step's candidates.
+    """
+
+    root: torch.Tensor
+    seq_lens: torch.Tensor
+    hidden: torch.Tensor
+    cand_probs: torch.Tensor
+    cand_ids: torch.Tensor
+
+    def select(self, keep: torch.Tensor) -> "DecodeState":
+        return DecodeState(*(t.index_select(0, keep) for t in vars(self).values()))
+
+    @staticmethod
+    def concat(states: list["DecodeState"]) -> "DecodeState":
+        return DecodeState(*(torch.cat(ts) for ts in zip(*(vars(s).values() for s in states))))
+
+
+@dataclass
+class StepStats:
+    """Per step: accept_len of each request that ran (host list), and the tokens emitted."""
+
+    accept_lens: list[int]
+    num_emitted: int
+
+
+class EagleWorker:
+    """Runs EAGLE (or standalone-draft) speculative decoding for a changing batch of requests."""
+
+    def __init__(self, target: torch.nn.Module, draft: DraftModel, config: SpecConfig) -> None:
+        param = next(target.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.config = config
+        self.target, self.draft = target, draft
+        self.draft_offset = 0 if config.draft_mode == "eagle" else 1
+        choice = config.backends
+        check_device(choice, self.device)
+        kv_dtype = self.dtype if config.kv_dtype == "auto" else KV_DTYPES[config.kv_dtype]
+
+        def pool(num_layers: int) -> MLAKVPool:
+            return MLAKVPool(num_layers, config.num_pages, config.page_size, config.max_batch_size,
+                             config.max_context_len, kv_dtype, self.device)
+
+        self.target_pool, self.draft_pool = pool(target.num_attention_layers), pool(draft.num_attention_layers)
+        classes = choice.classes()
+        bs, ndt, steps, topk = config.max_batch_size, config.num_draft_tokens, config.num_steps, config.topk
+        tview, dview = self.target_pool.view(), self.draft_pool.view()
+        self.verify_backend = classes["target"](tview, target.attn_spec(), bs, ndt, ndt if topk > 1 else 0)
+        self.target_prefill_backend = classes["prefill"](tview, target.attn_spec(), bs, ndt)
+        self.draft_backend = MultiStepDraftBackend(classes["draft"], dview, draft.attn_spec(), bs, steps, topk)
+        self.draft_extend_backend = classes["prefill"](dview, draft.attn_spec(), bs, steps + 1)
+        self.requests: list[Request] = []
+        self.state: Optional[DecodeState] = None
+        self._next_rid = 0
+
+    # ------------------------------------------------------------ admission
+    def add_requests(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None) -> list[Request]:
+        """Prefill new requests (target, then draft) and add them to the running batch.
+
+        Validates everything first: a bad request raises and changes nothing.
+        """
+        cfg = self.config
+        if len(self.requests) + len(prompts) > cfg.max_batch_size:
+            raise ValueError(f"{len(self.requests)} running + {len(prompts)} new requests exceed max_batch_size {cfg.max_batch_size}")
+        vocab = self.target.config.vocab_size
+        headroom = max(cfg.num_draft_tokens, cfg.draft_region_len) + self.draft_offset + 1
+        for prompt in prompts:
+            if not prompt:
+                raise ValueError("empty prompt: a request needs at least one token")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+            if len(prompt) + max_new_tokens + headroom > cfg.max_context_len:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + {headroom} spec headroom "
+                    f"exceed max_context_len {cfg.max_context_len}; raise max_context_len or shorten the request"
+                )
+        new = self._allocate(prompts, max_new_tokens, eos_token_id)
+        new_state = self._prefill(new)
+        self.state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
+        self.requests.extend(new)
+        return new
+
+    def _allocate(self, prompts: list[list[int]], max_new_tokens: int, eos: Optional[int]) -> list[Request]:
+        new: list[Request] = []
+        try:
+            for prompt in prompts:
+                req = Request(self._next_rid, list(prompt), max_new_tokens, eos, self.target_pool.alloc_request(), -1)
+                new.append(req)
+                req.draft_row = self.draft_pool.alloc_request()
+                self.target_pool.ensure_capacity(req.target_row, len(prompt))
+                self.draft_pool.ensure_capacity(req.draft_row, len(prompt) + self.draft_offset)
+                self._next_rid += 1
+        except OutOfPagesError:
+            for req in new:
+                self._release(req)
+            raise
+        return new
+
+    def _release(self, req: Request) -> None:
+        if req.target_row >= 0:
+            self.target_pool.free_request(req.target_row)
+        if req.draft_row >= 0:
+            self.draft_pool.free_request(req.draft_row)
+        req.target_row = req.draft_row = -1
+
+    def _prefill(self, new: list[Request]) -> DecodeState:
+        """Target prefill -> first token (greedy) -> draft prefill -> first draft candidates."""
+        dev, off = self.device, self.draft_offset
+        lens = [len(r.prompt) for r in new]
+        ids = torch.tensor([t for r in new for t in r.prompt], device=dev)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        batch = extend_batch(self.target_pool.req_to_token, [r.target_row for r in new], [0] * len(new), lens)
+        hidden = self._forward_target(ids, positions, self.target_prefill_backend, batch)
+        last = batch.cu_seqlens_q[1:].long() - 1
+        root = self.target.compute_logits(hidden[last]).argmax(-1)
+
+        # The draft sees (prompt + [root])[1 - off:] at positions 0.. (index maps known on the host).
+        starts = torch.tensor([0] + lens).cumsum(0)[:-1]
+        seq = torch.empty(ids.shape[0] + len(new), dtype=ids.dtype, device=dev)
+        shift = torch.arange(len(new))
+        seq[(torch.repeat_interleave(starts + shift, torch.tensor(lens)) + _ragged_arange(lens)).to(dev)] = ids
+        seq[(starts + shift + torch.tensor(lens)).to(dev)] = root
+        keep = torch.cat([torch.arange(1 - off, n + 1) + s + k for k, (s, n) in enumerate(zip(starts.tolist(), lens))])
+        draft_ids = seq[keep.to(dev)]
+        draft_lens = [n + off for n in lens]
+        draft_positions = torch.cat([torch.arange(n) for n in draft_lens]).to(dev)
+        dbatch = extend_batch(self.draft_pool.req_to_token, [r.draft_row for r in new], [0] * len(new), draft_lens)
+        dhidden = self._forward_draft(draft_ids, draft_positions, hidden if off == 0 else None, self.draft_extend_backend, dbatch)
+        dlast = dbatch.cu_seqlens_q[1:].long() - 1
+        probs, cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk)
+        for req, n in zip(new, lens):
+            req.seq_len = n
+        seq_lens = torch.tensor(lens, device=dev)
+        return DecodeState(root, seq_lens, dhidden[dlast], probs, cand)
+
+    def _forward_target(self, ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
+        backend.init_forward_metadata(batch)
+        return self.target(ids, positions, backend, batch)
+
+    def _forward_draft(self, ids: torch.Tensor, positions: torch.Tensor, hidden: Optional[torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
+        if backend is not None:
+            backend.init_forward_metadata(batch)
+        return self.draft(ids, positions, hidden, backend, batch)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> StepStats:
+        """One spec-decode iteration over every running request; finished requests leave."""
+        if not self.requests:
+            raise RuntimeError("no running requests: add_requests first")
+        self._reserve_pages()
+        tree = self.draft_tree()
+        target_pred, hidden = self.verify(tree)
+        result = greedy_accept(tree, target_pred, self.config.num_steps)
+        self.commit_kv(result)
+        self.draft_extend(result, hidden)
+        return self._finish_step(result)
+
+    def _reserve_pages(self) -> None:
+        """Pages for the verify tree and the draft region past each request's prefix."""
+        cfg = self.config
+        for req in self.requests:
+            self.target_pool.ensure_capacity(req.target_row, req.seq_len + cfg.num_draft_tokens)
+            self.draft_pool.ensure_capacity(req.draft_row, req.seq_len + self.draft_offset + cfg.draft_region_len)
+
+    def _rows(self, pool: str) -> torch.Tensor:
+        return torch.tensor([getattr(r, f"{pool}_row") for r in self.requests], device=self.device)
+
+    def draft_tree(self) -> VerifyTree:
+        """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
+
+        Forward j feeds the ``topk`` frontier tokens (depth j) at draft position N + off + j - 1,
+        stores their KV at draft kv index N + off + (j - 1) * topk + f and, for topk > 1, attends
+        to the prefix plus the frontier's ancestors through a tree mask.
+        """
+        cfg, st = self.config, self.state
+        topk, bs = cfg.topk, st.root.shape[0]
+        tree = DraftTree(st.cand_probs, st.cand_ids)
+        draft_len = st.seq_lens + self.draft_offset
+        rows = self._rows("draft")
+        batches = [
+            uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, draft_len + (j - 1) * topk, topk,
+                          draft_len + j * topk, None if topk == 1 else mask[:bs])
+            for j, mask in zip(range(1, cfg.num_steps), self.draft_backend.tree_masks())
+        ]
+        if batches:
+            self.draft_backend.init_forward_metadata(batches)
+        hidden = st.hidden[:, None, :].expand(-1, topk, -1)
+        ancestors = torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)  # [B, topk, topk]
+        for j, (batch, backend) in enumerate(zip(batches, self.draft_backend.steps), start=1):
+            parent_slot = tree.frontier_parent[:, :, None]
+            if topk > 1:
+                # Each frontier node sees its parent's ancestors and itself.
+                prev = ancestors.gather(1, parent_slot.expand(-1, -1, ancestors.shape[2])) if j > 1 else ancestors.new_zeros(bs, topk, 0)
+                ancestors = torch.cat([prev, torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)], dim=2)
+                batch.custom_mask.copy_(ancestors)
+            hidden_in = hidden.gather(1, parent_slot.expand(-1, -1, hidden.shape[2])) if j > 1 else hidden
+            positions = (st.seq_lens + self.draft_offset + j - 1)[:, None].expand(-1, topk).flatten()
+            out = self.draft(tree.frontier_tokens.flatten(), positions, hidden_in.flatten(0, 1), backend, batch)
+            probs, ids = topk_probs(self.draft.compute_logits(out), topk)
+            hidden = out.view(bs, topk, -1)
+            tree.grow(probs.view(bs, topk, topk), ids.view(bs, topk, topk))
+        mask_buf = self.verify_backend.get_verify_buffers_to_fill_after_draft()[0]
+        return tree.build(st.root, cfg.num_draft_tokens, cfg.num_steps, mask_buf)
+
+    def verify(self, tree: VerifyTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward over the tree at kv indices N..N+ndt-1. Returns (argmax ``[B, ndt]``,
+        hidden ``[B, ndt, D]``)."""
+        st, ndt = self.state, self.config.num_draft_tokens
+        mask = tree.mask if self.config.topk > 1 else None
+        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, self._rows("target"),
+                              st.seq_lens, ndt, st.seq_lens + ndt, mask)
+        positions = (st.seq_lens[:, None] + tree.depth).flatten()
+        hidden = self._forward_target(tree.tokens.flatten(), positions, self.verify_backend, batch)
+        pred = self.target.compute_logits(hidden).argmax(-1).view(-1, ndt)
+        return pred, hidden.view(-1, ndt, hidden.shape[-1])
+
+    def commit_kv(self, result: AcceptResult) -> None:
+        """Move the accepted path's KV rows to kv indices N..N+accept_len (trees only: a chain is in place)."""
+        if self.config.topk == 1:
+            return
+        st, r2t = self.state, self.target_pool.req_to_token
+        rows = self._rows("target")[:, None]
+        src = r2t[rows, st.seq_lens[:, None] + result.path].flatten().long()
+        dst = r2t[rows, st.seq_lens[:, None] + torch.arange(result.path.shape[1], device=self.device)].flatten().long()
+        for cache in self.target_pool.kv_buffers:
+            flat = cache.view(-1, cache.shape[-1])
+            flat.index_copy_(0, dst, flat[src])
+
+    def draft_extend(self, result: AcceptResult, verify_hidden: torch.Tensor) -> None:
+        """Draft over the accepted tokens + bonus (num_steps + 1 rows per request, the first
+        accept_len + 1 real); refreshes the draft KV, hidden state and first candidates."""
+        st, steps = self.state, self.config.num_steps
+        q_len = steps + 1
+        draft_len = st.seq_lens + self.draft_offset
+        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, self._rows("draft"),
+                              draft_len, q_len, draft_len + q_len)
+        ids = result.emitted.clamp(min=0)
+        positions = (draft_len[:, None] + torch.arange(q_len, device=self.device)).flatten()
+        hidden_in = verify_hidden.gather(1, result.path[:, :, None].expand(-1, -1, verify_hidden.shape[-1]))
+        out = self._forward_draft(ids.flatten(), positions, hidden_in.flatten(0, 1), self.draft_extend_backend, batch)
+        last = out.view(-1, q_len, out.shape[-1]).gather(1, result.accept_len[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
+        probs, cand = topk_probs(self.draft.compute_logits(last), self.config.topk)
+        self.state = DecodeState(result.bonus, st.seq_lens + result.accept_len + 1, last, probs, cand)
+
+    def _finish_step(self, result: AcceptResult) -> StepStats:
+        """The one device-to-host copy of the step; then host bookkeeping and finished requests."""
+        emitted = _to_host(result.emitted)
+        keep, accept_lens, total = [], [], 0
+        for i, req in enumerate(self.requests):
+            tokens = [t for t in emitted[i].tolist() if t >= 0]
+            accept_lens.append(len(tokens) - 1)
+            req.seq_len += len(tokens)
+            room = req.max_new_tokens - len(req.output)
+            tokens = tokens[:room]
+            if req.eos_token_id is not None and req.eos_token_id in tokens:
+                tokens = tokens[: tokens.index(req.eos_token_id) + 1]
+                req.finished = True
+            req.output.extend(tokens)
+            total += len(tokens)
+            req.finished |= len(req.output) >= req.max_new_tokens
+            if req.finished:
+                self._release(req)
+            else:
+                keep.append(i)
+                self.target_pool.trim(req.target_row, req.seq_len)  # rejected tree slots
+                self.draft_pool.trim(req.draft_row, req.seq_len + self.draft_offset)
+        if len(keep) < len(self.requests):
+            self.requests = [self.requests[i] for i in keep]
+            self.state = self.state.select(torch.tensor(keep, dtype=torch.long, device=self.device)) if keep else None
+        return StepStats(accept_lens, total)
+
+
+def _ragged_arange(lengths: list[int]) -> torch.Tensor:
+    """``[0..n0), [0..n1), ...`` concatenated (host)."""
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Copy to pinned host memory with one non-blocking copy and wait on its event."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+    return host
