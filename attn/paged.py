@@ -44,7 +44,9 @@ class PagedMLABackend:
     supports_tree_mask = False
     supports_cuda_graph = True
     supports_prefill = True
-    prefill_fallback: Optional[str] = None  # backend serving prefill/draft-extend for decode-only kernels
+    supports_draft_extend = True  # uniform num_steps + 1 query tokens per request
+    prefill_fallback: Optional[str] = None  # backend serving prefill/draft-extend where this one cannot
+    max_decode_q_len: Optional[int] = None  # query tokens per request the decode kernel takes (None: any)
     required_sm: Optional[tuple[int, ...]] = None  # compute-capability majors the kernel runs on
     page_sizes: Optional[tuple[int, ...]] = None  # None: any page size
     kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp32", "fp8_e4m3")
@@ -182,14 +184,25 @@ class PagedMLABackend:
     ) -> torch.Tensor:
         """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
 
-        Default: right-align each request's tokens in a ``[B, max_q_len]`` grid and run the decode
-        kernel (rows before a request's first token are padding and are dropped).
+        Default: the decode kernel over chunks of at most ``max_decode_q_len`` query tokens per
+        request, right-aligned in a ``[B, chunk]`` grid (a chunk ending at a request's token e
+        sees kv length ``seq_len - q_len + e``). Grid cells without a token are padding and are
+        dropped; tokens outside the chunk go to a trash column. No host sync.
         """
+        num_tokens = query.shape[0]
         bs = block_tables.shape[0]
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        req, idx = token_to_request(cu_seqlens_q, query.shape[0])
-        col = max_q_len - q_lens.long()[req] + idx
-        padded = query.new_zeros(bs, max_q_len, *query.shape[1:])
-        padded[req, col] = query
-        out = self._run_decode_kernel(padded, kv_cache, block_tables, seq_lens, max_seq_len, None)
-        return out[req, col]
+        chunk = min(self.max_decode_q_len or max_q_len, max_q_len)
+        req, idx = token_to_request(cu_seqlens_q, num_tokens)
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        out = query.new_zeros(num_tokens, query.shape[1], KV_LORA_RANK)
+        for start in range(0, max_q_len, chunk):
+            end = q_lens.clamp(max=start + chunk)  # [B] tokens done after this chunk
+            in_chunk = (idx >= start) & (idx < start + chunk)
+            col = torch.where(in_chunk, chunk - (end[req] - start) + (idx - start), chunk)
+            grid = query.new_zeros(bs, chunk + 1, *query.shape[1:])
+            grid[req, col] = query
+            chunk_lens = (seq_lens.long() - q_lens + end).int()
+            part = self._run_decode_kernel(grid[:, :chunk], kv_cache, block_tables, chunk_lens, max_seq_len, None)
+            part = torch.cat([part, part.new_zeros(bs, 1, *part.shape[2:])], dim=1)
+            out = torch.where(in_chunk[:, None, None], part[req, col].to(out.dtype), out)
+        return out

@@ -43,12 +43,13 @@ def get_backend_class(name: str) -> type[PagedMLABackend]:
 class BackendChoice:
     """Which backend serves which role.
 
-    target: target verify. draft: the draft's multi-step decode. prefill: prefill (target and
-    draft) and draft-extend.
+    target: target verify. draft: the draft's multi-step decode. draft_extend: the draft over the
+    accepted tokens. prefill: prefill of target and draft.
     """
 
     target: str
     draft: str
+    draft_extend: str
     prefill: str
 
     def classes(self) -> dict[str, type[PagedMLABackend]]:
@@ -56,18 +57,29 @@ class BackendChoice:
 
 
 def resolve_backends(attention: str, decode: Optional[str] = None, prefill: Optional[str] = None) -> BackendChoice:
-    """Fill in the draft and prefill roles; refuse decode-only kernels as prefill backend."""
+    """Fill in the draft, draft-extend and prefill roles; refuse decode-only kernels as prefill backend.
+
+    A family that cannot serve draft-extend or prefill hands it to its ``prefill_fallback``
+    (cutedsl_mla -> trtllm_mla); an explicit prefill_backend serves both.
+    """
     target_cls = get_backend_class(attention)
     draft = decode or attention
     get_backend_class(draft)
-    if prefill is None:
-        prefill = attention if target_cls.supports_prefill else target_cls.prefill_fallback
-    if not get_backend_class(prefill).supports_prefill:
-        raise ValueError(
-            f"prefill_backend {prefill!r} is decode-only and cannot run prefill or draft-extend; "
-            f"set prefill_backend to {get_backend_class(prefill).prefill_fallback!r} or leave it unset"
-        )
-    return BackendChoice(target=attention, draft=draft, prefill=prefill)
+    if prefill is not None:
+        prefill_cls = get_backend_class(prefill)
+        if not (prefill_cls.supports_prefill and prefill_cls.supports_draft_extend):
+            raise ValueError(
+                f"prefill_backend {prefill!r} is decode-only and cannot run prefill or draft-extend; "
+                f"set prefill_backend to {prefill_cls.prefill_fallback!r} or leave it unset"
+            )
+        return BackendChoice(target=attention, draft=draft, draft_extend=prefill, prefill=prefill)
+    fallback = target_cls.prefill_fallback
+    return BackendChoice(
+        target=attention,
+        draft=draft,
+        draft_extend=attention if target_cls.supports_draft_extend else fallback,
+        prefill=attention if target_cls.supports_prefill else fallback,
+    )
 
 
 def check_page_size(choice: BackendChoice, page_size: int) -> int:
@@ -97,6 +109,17 @@ def check_tree_support(choice: BackendChoice, topk: int) -> None:
         cls = get_backend_class(getattr(choice, role))
         if not cls.supports_tree_mask:
             raise ValueError(f"{cls.name} ({role}) cannot attend with a tree mask: use topk=1, or torch_ref/triton_mla for {role}")
+
+
+def check_query_lens(choice: BackendChoice, num_draft_tokens: int, num_steps: int, topk: int) -> None:
+    """Verify (num_draft_tokens), draft-extend (num_steps + 1) and draft (topk) query tokens per
+    request must fit the decode kernel of the backend serving each."""
+    for role, q_len, setting in (("target", num_draft_tokens, "num_draft_tokens"),
+                                 ("draft_extend", num_steps + 1, "num_steps"), ("draft", topk, "topk")):
+        cls = get_backend_class(getattr(choice, role))
+        if cls.max_decode_q_len is not None and q_len > cls.max_decode_q_len:
+            raise ValueError(f"{cls.name} ({role}) takes at most {cls.max_decode_q_len} query tokens per request, "
+                             f"got {q_len}; lower {setting}")
 
 
 def check_device(choice: BackendChoice, device: torch.device) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from attn.registry import BackendChoice, check_kv_dtype, check_page_size, check_tree_support, resolve_backends
+from attn.registry import (
+    BackendChoice, check_kv_dtype, check_page_size, check_query_lens, check_tree_support, resolve_backends,
+)
 from specdec.kv import KV_DTYPES
 
 
@@ -88,6 +90,7 @@ class SpecConfig:
             self.page_size = check_page_size(choice, self.page_size)
             check_kv_dtype(choice, self.kv_dtype)
             check_tree_support(choice, self.topk)
+            check_query_lens(choice, self.num_draft_tokens, self.num_steps, self.topk)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if self.page_size < 1 or self.max_context_len % self.page_size:

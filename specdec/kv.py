@@ -2,7 +2,8 @@
 
 Each request owns whole pages; position p of request r lives in slot
 ``pages[p // page_size] * page_size + p % page_size`` and ``req_to_token[r, p]`` holds that slot.
-Page 0 is never handed out: padded rows of CUDA graphs write their KV there.
+Page 0 and req_to_token row 0 are never handed out: padded rows of CUDA graphs use row 0, whose
+slots all lie in page 0, so they read and write nothing of a real request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from attn.base import KV_DIM, KVCacheView
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
 PADDING_PAGE = 0
+PADDING_ROW = 0
 
 
 class OutOfPagesError(RuntimeError):
@@ -32,7 +34,8 @@ class MLAKVPool:
     """KV storage for ``num_layers`` MLA layers and the request -> slot map.
 
     kv_buffers[layer]: ``[num_pages, page_size, 576]`` of ``dtype``.
-    req_to_token: ``[max_requests, max_context_len]`` int32 (max_context_len a multiple of page_size).
+    req_to_token: ``[max_requests + 1, max_context_len]`` int32 (max_context_len a multiple of
+    page_size); row 0 is the padding row.
     """
 
     def __init__(
@@ -55,10 +58,10 @@ class MLAKVPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.kv_buffers = [torch.zeros(num_pages, page_size, KV_DIM, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.int32, device=self.device)
+        self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int32, device=self.device)
         self.kv_scale = kv_scale
         self._free_pages = list(range(num_pages - 1, PADDING_PAGE, -1))  # pop() hands out low pages first
-        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._free_rows = list(range(max_requests, PADDING_ROW, -1))
         self._requests: dict[int, _Request] = {}
 
     def view(self) -> KVCacheView:
@@ -72,7 +75,7 @@ class MLAKVPool:
     def alloc_request(self) -> int:
         """Reserve a req_to_token row; returns its index."""
         if not self._free_rows:
-            raise OutOfPagesError(f"all {self.req_to_token.shape[0]} request rows are in use; raise max_requests")
+            raise OutOfPagesError(f"all {self.req_to_token.shape[0] - 1} request rows are in use; raise max_requests")
         row = self._free_rows.pop()
         self._requests[row] = _Request()
         return row

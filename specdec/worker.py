@@ -95,9 +95,13 @@ class EagleWorker:
         self.verify_backend = classes["target"](tview, target.attn_spec(), bs, ndt, ndt if topk > 1 else 0)
         self.target_prefill_backend = classes["prefill"](tview, target.attn_spec(), bs, ndt)
         self.draft_backend = MultiStepDraftBackend(classes["draft"], dview, draft.attn_spec(), bs, steps, topk)
-        self.draft_extend_backend = classes["prefill"](dview, draft.attn_spec(), bs, steps + 1)
+        self.draft_prefill_backend = classes["prefill"](dview, draft.attn_spec(), bs, steps + 1)
+        self.draft_extend_backend = classes["draft_extend"](dview, draft.attn_spec(), bs, steps + 1)
+        self._plans_on_host = any(cls.needs_cpu_seq_lens for cls in classes.values())
         self.requests: list[Request] = []
         self.state: Optional[DecodeState] = None
+        self.last_tree: Optional[VerifyTree] = None  # the tree verified by the last step, for inspection
+        self.graph_runner = None  # set by graphs.runner.GraphRunner(worker)
         self._next_rid = 0
 
     # ------------------------------------------------------------ admission
@@ -124,8 +128,18 @@ class EagleWorker:
                 )
         new = self._allocate(prompts, max_new_tokens, eos_token_id)
         new_state = self._prefill(new)
-        self.state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
-        self.requests.extend(new)
+        keep = []
+        for i, (req, token) in enumerate(zip(new, _to_host(new_state.root).tolist())):
+            req.output.append(token)  # the prefill's token is the first output
+            req.finished = max_new_tokens <= 1 or token == eos_token_id
+            if req.finished:
+                self._release(req)
+            else:
+                keep.append(i)
+        if keep:
+            new_state = new_state.select(torch.tensor(keep, device=self.device))
+            self.state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
+            self.requests.extend(new[i] for i in keep)
         return new
 
     def _allocate(self, prompts: list[list[int]], max_new_tokens: int, eos: Optional[int]) -> list[Request]:
@@ -173,7 +187,7 @@ class EagleWorker:
         draft_lens = [n + off for n in lens]
         draft_positions = torch.cat([torch.arange(n) for n in draft_lens]).to(dev)
         dbatch = extend_batch(self.draft_pool.req_to_token, [r.draft_row for r in new], [0] * len(new), draft_lens)
-        dhidden = self._forward_draft(draft_ids, draft_positions, hidden if off == 0 else None, self.draft_extend_backend, dbatch)
+        dhidden = self._forward_draft(draft_ids, draft_positions, hidden if off == 0 else None, self.draft_prefill_backend, dbatch)
         dlast = dbatch.cu_seqlens_q[1:].long() - 1
         probs, cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk)
         for req, n in zip(new, lens):
@@ -196,12 +210,49 @@ class EagleWorker:
         if not self.requests:
             raise RuntimeError("no running requests: add_requests first")
         self._reserve_pages()
-        tree = self.draft_tree()
-        target_pred, hidden = self.verify(tree)
-        result = greedy_accept(tree, target_pred, self.config.num_steps)
-        self.commit_kv(result)
-        self.draft_extend(result, hidden)
+        st, target_rows, draft_rows, host_n = self.step_inputs()
+        out = None
+        if self.graph_runner is not None:
+            out = self.graph_runner.run({"target_rows": target_rows, "draft_rows": draft_rows, **vars(st)})
+        if out is None:
+            out = self.spec_pass(st, target_rows, draft_rows, host_n)
+        result, self.state, self.last_tree = out
         return self._finish_step(result)
+
+    def state_template(self, batch_size: int) -> DecodeState:
+        """An (uninitialised) DecodeState of ``batch_size`` rows: the graph runner's static inputs."""
+        dev, k = self.device, self.config.topk
+        return DecodeState(
+            root=torch.empty(batch_size, dtype=torch.long, device=dev),
+            seq_lens=torch.empty(batch_size, dtype=torch.long, device=dev),
+            hidden=torch.empty(batch_size, self.target.config.hidden_size, dtype=self.dtype, device=dev),
+            cand_probs=torch.empty(batch_size, k, dtype=torch.float32, device=dev),
+            cand_ids=torch.empty(batch_size, k, dtype=torch.long, device=dev),
+        )
+
+    @staticmethod
+    def state_from(tensors: dict[str, torch.Tensor]) -> DecodeState:
+        return DecodeState(**{name: tensors[name] for name in DecodeState.__dataclass_fields__})
+
+    def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(state, target rows ``[B]``, draft rows ``[B]``, host N ``[B]`` or None) of the running batch."""
+        target_rows = torch.tensor([r.target_row for r in self.requests], device=self.device)
+        draft_rows = torch.tensor([r.draft_row for r in self.requests], device=self.device)
+        host_n = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32) if self._plans_on_host else None
+        return self.state, target_rows, draft_rows, host_n
+
+    def spec_pass(
+        self, st: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor, host_n: Optional[torch.Tensor] = None
+    ) -> tuple[AcceptResult, DecodeState, VerifyTree]:
+        """draft -> tree -> verify -> accept -> KV commit -> draft-extend; device work only.
+
+        host_n: N per request on the host, only for backends that plan on the host.
+        """
+        tree = self.draft_tree(st, draft_rows, host_n)
+        target_pred, hidden = self.verify(st, tree, target_rows, host_n)
+        result = greedy_accept(tree, target_pred, self.config.num_steps)
+        self.commit_kv(st, result, target_rows)
+        return result, self.draft_extend(st, result, hidden, draft_rows, host_n), tree
 
     def _reserve_pages(self) -> None:
         """Pages for the verify tree and the draft region past each request's prefix."""
@@ -210,85 +261,87 @@ class EagleWorker:
             self.target_pool.ensure_capacity(req.target_row, req.seq_len + cfg.num_draft_tokens)
             self.draft_pool.ensure_capacity(req.draft_row, req.seq_len + self.draft_offset + cfg.draft_region_len)
 
-    def _rows(self, pool: str) -> torch.Tensor:
-        return torch.tensor([getattr(r, f"{pool}_row") for r in self.requests], device=self.device)
-
-    def draft_tree(self) -> VerifyTree:
+    def draft_tree(self, st: DecodeState, rows: torch.Tensor, host_n: Optional[torch.Tensor] = None) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
 
         Forward j feeds the ``topk`` frontier tokens (depth j) at draft position N + off + j - 1,
         stores their KV at draft kv index N + off + (j - 1) * topk + f and, for topk > 1, attends
         to the prefix plus the frontier's ancestors through a tree mask.
         """
-        cfg, st = self.config, self.state
+        cfg, off = self.config, self.draft_offset
         topk, bs = cfg.topk, st.root.shape[0]
         tree = DraftTree(st.cand_probs, st.cand_ids)
-        draft_len = st.seq_lens + self.draft_offset
-        rows = self._rows("draft")
+        draft_len = st.seq_lens + off
         batches = [
             uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, draft_len + (j - 1) * topk, topk,
-                          draft_len + j * topk, None if topk == 1 else mask[:bs])
+                          draft_len + j * topk, None if topk == 1 else mask[:bs], _plus(host_n, off + j * topk))
             for j, mask in zip(range(1, cfg.num_steps), self.draft_backend.tree_masks())
         ]
         if batches:
             self.draft_backend.init_forward_metadata(batches)
         hidden = st.hidden[:, None, :].expand(-1, topk, -1)
-        ancestors = torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)  # [B, topk, topk]
+        eye = torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)
+        ancestors = eye[:, :, :0]  # [B, topk, j * topk]: which drafted kv rows each frontier node sees
         for j, (batch, backend) in enumerate(zip(batches, self.draft_backend.steps), start=1):
             parent_slot = tree.frontier_parent[:, :, None]
-            if topk > 1:
-                # Each frontier node sees its parent's ancestors and itself.
-                prev = ancestors.gather(1, parent_slot.expand(-1, -1, ancestors.shape[2])) if j > 1 else ancestors.new_zeros(bs, topk, 0)
-                ancestors = torch.cat([prev, torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)], dim=2)
+            if j > 1:
+                ancestors = ancestors.gather(1, parent_slot.expand(-1, -1, ancestors.shape[2]))
+                hidden = hidden.gather(1, parent_slot.expand(-1, -1, hidden.shape[2]))
+            ancestors = torch.cat([ancestors, eye], dim=2)
+            if batch.custom_mask is not None:
                 batch.custom_mask.copy_(ancestors)
-            hidden_in = hidden.gather(1, parent_slot.expand(-1, -1, hidden.shape[2])) if j > 1 else hidden
-            positions = (st.seq_lens + self.draft_offset + j - 1)[:, None].expand(-1, topk).flatten()
-            out = self.draft(tree.frontier_tokens.flatten(), positions, hidden_in.flatten(0, 1), backend, batch)
+            positions = (draft_len + j - 1)[:, None].expand(-1, topk).flatten()
+            out = self.draft(tree.frontier_tokens.flatten(), positions, hidden.flatten(0, 1), backend, batch)
             probs, ids = topk_probs(self.draft.compute_logits(out), topk)
             hidden = out.view(bs, topk, -1)
             tree.grow(probs.view(bs, topk, topk), ids.view(bs, topk, topk))
         mask_buf = self.verify_backend.get_verify_buffers_to_fill_after_draft()[0]
         return tree.build(st.root, cfg.num_draft_tokens, cfg.num_steps, mask_buf)
 
-    def verify(self, tree: VerifyTree) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self, st: DecodeState, tree: VerifyTree, rows: torch.Tensor, host_n: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward over the tree at kv indices N..N+ndt-1. Returns (argmax ``[B, ndt]``,
         hidden ``[B, ndt, D]``)."""
-        st, ndt = self.state, self.config.num_draft_tokens
+        ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
-        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, self._rows("target"),
-                              st.seq_lens, ndt, st.seq_lens + ndt, mask)
+        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows,
+                              st.seq_lens, ndt, st.seq_lens + ndt, mask, _plus(host_n, ndt))
         positions = (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = self._forward_target(tree.tokens.flatten(), positions, self.verify_backend, batch)
         pred = self.target.compute_logits(hidden).argmax(-1).view(-1, ndt)
         return pred, hidden.view(-1, ndt, hidden.shape[-1])
 
-    def commit_kv(self, result: AcceptResult) -> None:
+    def commit_kv(self, st: DecodeState, result: AcceptResult, rows: torch.Tensor) -> None:
         """Move the accepted path's KV rows to kv indices N..N+accept_len (trees only: a chain is in place)."""
         if self.config.topk == 1:
             return
-        st, r2t = self.state, self.target_pool.req_to_token
-        rows = self._rows("target")[:, None]
-        src = r2t[rows, st.seq_lens[:, None] + result.path].flatten().long()
-        dst = r2t[rows, st.seq_lens[:, None] + torch.arange(result.path.shape[1], device=self.device)].flatten().long()
+        r2t = self.target_pool.req_to_token
+        steps = torch.arange(result.path.shape[1], device=self.device)
+        src = r2t[rows[:, None], st.seq_lens[:, None] + result.path].flatten().long()
+        dst = r2t[rows[:, None], st.seq_lens[:, None] + steps].flatten().long()
         for cache in self.target_pool.kv_buffers:
             flat = cache.view(-1, cache.shape[-1])
             flat.index_copy_(0, dst, flat[src])
 
-    def draft_extend(self, result: AcceptResult, verify_hidden: torch.Tensor) -> None:
+    def draft_extend(
+        self, st: DecodeState, result: AcceptResult, verify_hidden: torch.Tensor, rows: torch.Tensor,
+        host_n: Optional[torch.Tensor] = None,
+    ) -> DecodeState:
         """Draft over the accepted tokens + bonus (num_steps + 1 rows per request, the first
-        accept_len + 1 real); refreshes the draft KV, hidden state and first candidates."""
-        st, steps = self.state, self.config.num_steps
-        q_len = steps + 1
+        accept_len + 1 real); returns the next state (root, N, draft hidden, first candidates)."""
+        q_len = self.config.num_steps + 1
         draft_len = st.seq_lens + self.draft_offset
-        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, self._rows("draft"),
-                              draft_len, q_len, draft_len + q_len)
+        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, draft_len, q_len,
+                              draft_len + q_len, seq_lens_cpu=_plus(host_n, self.draft_offset + q_len))
         ids = result.emitted.clamp(min=0)
         positions = (draft_len[:, None] + torch.arange(q_len, device=self.device)).flatten()
         hidden_in = verify_hidden.gather(1, result.path[:, :, None].expand(-1, -1, verify_hidden.shape[-1]))
         out = self._forward_draft(ids.flatten(), positions, hidden_in.flatten(0, 1), self.draft_extend_backend, batch)
-        last = out.view(-1, q_len, out.shape[-1]).gather(1, result.accept_len[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
+        dim = out.shape[-1]
+        last = out.view(-1, q_len, dim).gather(1, result.accept_len[:, None, None].expand(-1, 1, dim)).squeeze(1)
         probs, cand = topk_probs(self.draft.compute_logits(last), self.config.topk)
-        self.state = DecodeState(result.bonus, st.seq_lens + result.accept_len + 1, last, probs, cand)
+        return DecodeState(result.bonus, st.seq_lens + result.accept_len + 1, last, probs, cand)
 
     def _finish_step(self, result: AcceptResult) -> StepStats:
         """The one device-to-host copy of the step; then host bookkeeping and finished requests."""
@@ -316,6 +369,10 @@ class EagleWorker:
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(torch.tensor(keep, dtype=torch.long, device=self.device)) if keep else None
         return StepStats(accept_lens, total)
+
+
+def _plus(host: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
+    return None if host is None else host + extra
 
 
 def _ragged_arange(lengths: list[int]) -> torch.Tensor:

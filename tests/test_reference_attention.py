@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attn.base import AttnBatch, ForwardMode, LayerSpec
+from attn.paged import PagedMLABackend
 from attn.reference import paged_mla_reference
 from attn.torch_ref import TorchRefBackend
 from specdec.kv import MLAKVPool
@@ -72,3 +73,32 @@ def test_backend_writes_kv_then_attends():
     scores = torch.einsum("thd,kd->thk", q, kv_new) * 0.3
     expected = torch.softmax(scores.masked_fill(~causal[:, None, :], float("-inf")), -1) @ kv_new[:, :512]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+class ChunkedDecodeBackend(TorchRefBackend):
+    """Prefill through the paged default: the decode kernel over chunks of 3 query tokens."""
+
+    max_decode_q_len = 3
+    _run_prefill_kernel = PagedMLABackend._run_prefill_kernel
+
+
+def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
+    g = torch.Generator().manual_seed(3)
+    pool = MLAKVPool(1, 16, 4, 3, 32, torch.float32)
+    rows = [pool.alloc_request() for _ in range(3)]
+    lens, q_lens = [9, 4, 11], [7, 1, 11]  # prefixes of 2, 3 and 0 tokens already cached
+    for row, n in zip(rows, lens):
+        pool.ensure_capacity(row, n)
+    spec = LayerSpec(num_heads=2, sm_scale=0.2)
+    loc = torch.cat([pool.req_to_token[r, n - q:n] for r, n, q in zip(rows, lens, q_lens)]).long()
+    cu = torch.tensor([0, 7, 8, 19], dtype=torch.int32)
+    batch = AttnBatch(ForwardMode.EXTEND, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), loc, cu, 11, False)
+    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, generator=g))
+    q = torch.randn(19, 2, 576, generator=g)
+    kv_new = torch.randn(19, 576, generator=g)
+    outs = []
+    for cls in (TorchRefBackend, ChunkedDecodeBackend):
+        backend = cls(pool.view(), spec, 3, 1)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, kv_new, 0, batch))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,19 @@
+"""FlashInfer CuTe-DSL MLA decode (Blackwell, SM100 family): decode only.
+
+Prefill and draft-extend fall back to trtllm_mla (attn.registry). The cute-dsl kernel writes
+split-KV partials into its workspace, so it owns one of its own: sharing trtllm-gen's would
+overwrite that kernel's zero-initialised multi-CTA counters (upstream saw a deadlock).
+"""
+
+from __future__ import annotations
+
+from attn.trtllm_mla import TrtllmMLABackend
+
+
+class CuteDslMLABackend(TrtllmMLABackend):
+    name = "cutedsl_mla"
+    kernel_family = "cute_dsl"
+    flashinfer_backend = "cute-dsl"
+    supports_prefill = False
+    supports_draft_extend = False
+    prefill_fallback = "trtllm_mla"

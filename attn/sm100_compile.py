@@ -1,0 +1,545 @@
+"""Compile checks for the Blackwell (SM100) CuTe-DSL MLA decode kernels without a GPU.
+
+Our GPUs are Hopper, and CI has no GPU at all, yet two of the Blackwell-only decode kernels the
+worker can select are CuTe-DSL kernels that compile for ``sm_100a`` on any machine once the few
+device queries they make are answered with a fixed B200 description:
+
+* tokenspeed-mla's decode kernel (``tokenspeed_mla.tokenspeed_mla_decode``), used by the
+  ``tokenspeed_mla`` backend;
+* FlashInfer's cute-dsl MLA decode kernel
+  (``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(..., backend="cute-dsl")``), used by the
+  ``cutedsl_mla`` backend.
+
+(trtllm-gen ships precompiled cubins and cannot be checked this way.)
+
+What this module compiles is *exactly* the variant the runtime call would launch: instead of
+re-deriving the compile parameters (tile shapes, query folding, split-KV reducer capacity, PDL,
+...), it calls the library's public runtime entry point with host tensors of the requested shapes
+under :func:`fake_b200`, intercepts the library's own compile function at the moment the entry
+point asks for a kernel (before anything is launched), and then compiles with those very arguments.
+If a library release moves its compile call elsewhere, capture fails loudly instead of drifting.
+
+Importing this module imports neither flashinfer, cutlass nor tokenspeed_mla; they are imported
+by the functions that need them.
+
+Example::
+
+    import torch
+    from attn.sm100_compile import compile_cutedsl_decode, compile_tokenspeed_decode
+
+    seconds = compile_tokenspeed_decode(num_heads=128, q_len=4, page_size=64,
+                                        kv_dtype=torch.float8_e4m3fn)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+from typing import Any, Callable, Iterator, Mapping
+from unittest import mock
+
+import torch
+
+__all__ = [
+    "B200",
+    "DeviceDescription",
+    "KernelUnsupportedError",
+    "KernelVariant",
+    "compile_cutedsl_decode",
+    "compile_tokenspeed_decode",
+    "cutedsl_decode_variant",
+    "fake_b200",
+    "tokenspeed_decode_variant",
+]
+
+# DeepSeek-V3 MLA geometry: the paged latent cache is kv_lora_rank + qk_rope_head_dim = 576 wide.
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+QK_NOPE_HEAD_DIM = 128
+HEAD_DIM_QK = KV_LORA_RANK + QK_ROPE_HEAD_DIM
+
+SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+# --------------------------------------------------------------------------------------------
+# The fake device
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceDescription:
+    """What the kernels' device queries are answered with inside :func:`fake_b200`.
+
+    The attribute names mirror ``torch.cuda.get_device_properties()`` so an instance can stand in
+    for it. ``max_active_clusters(cluster_size)`` answers ``cutlass.utils.HardwareInfo``'s
+    occupancy query for a kernel that fills one SM per CTA: ``multi_processor_count //
+    cluster_size`` (74 for the 2-CTA MLA decode clusters on a B200).
+    """
+
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    total_memory: int
+    L2_cache_size: int
+    shared_memory_per_block_optin: int
+    max_threads_per_multi_processor: int = 2048
+    warp_size: int = 32
+    regs_per_multiprocessor: int = 65536
+    is_integrated: bool = False
+
+    def max_active_clusters(self, cluster_size: int) -> int:
+        if not 1 <= cluster_size <= 32:
+            raise ValueError(f"cluster_size must be in [1, 32], got {cluster_size}")
+        return self.multi_processor_count // cluster_size
+
+
+#: NVIDIA B200 (SM 10.0): 148 SMs, ~180 GiB HBM3e usable, 126 MiB L2, 227 KiB opt-in smem/block.
+B200 = DeviceDescription(
+    name="NVIDIA B200",
+    major=10,
+    minor=0,
+    multi_processor_count=148,
+    total_memory=180 * 1024**3,
+    L2_cache_size=126 * 1024**2,
+    shared_memory_per_block_optin=232448,
+)
+
+# Library caches that memoise device answers. They are emptied on entry (so a real GPU's answers
+# never leak into a fake-B200 compile) and on exit (so fake answers never leak out). Only modules
+# already imported are touched; nothing is imported for this.
+_MEMOISED_DEVICE_QUERIES: tuple[tuple[str, str], ...] = (
+    ("flashinfer.utils", "get_device_properties"),
+    ("flashinfer.utils", "get_compute_capability"),
+    ("flashinfer.utils", "get_device_name"),
+    ("flashinfer.cute_dsl.utils", "get_max_active_clusters"),
+    ("tokenspeed_mla.utils", "get_num_sm"),
+    ("tokenspeed_mla.utils", "get_max_active_clusters"),
+)
+# Module globals holding a cached ``cutlass.utils.HardwareInfo`` instance.
+_HARDWARE_INFO_SINGLETONS: tuple[tuple[str, str], ...] = (
+    ("flashinfer.cute_dsl.utils", "_hardware_info_cache"),
+    ("tokenspeed_mla.utils", "_hardware_info_cache"),
+)
+
+
+def _clear_memoised_device_queries() -> None:
+    for module_name, attr in _MEMOISED_DEVICE_QUERIES:
+        fn = getattr(sys.modules.get(module_name), attr, None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+def _cute_dsl_environment() -> Any:
+    """The CuTe DSL's environment settings object (holds the default ``arch``), if reachable."""
+    try:
+        from cutlass.cutlass_dsl import BaseDSL
+
+        env = BaseDSL._get_dsl().envar
+    except (ImportError, AttributeError):
+        return None
+    return env if isinstance(getattr(type(env), "arch", None), property) else None
+
+
+def _fake_hardware_info_class(device: DeviceDescription) -> type:
+    class FakeHardwareInfo:
+        """Stands in for ``cutlass.utils.HardwareInfo`` (which needs a CUDA driver context)."""
+
+        def __init__(self, device_id: int = 0) -> None:
+            self.device_id = device_id
+
+        def get_max_active_clusters(self, cluster_size: int, stream: Any = None) -> int:
+            return device.max_active_clusters(cluster_size)
+
+        def get_device_multiprocessor_count(self) -> int:
+            return device.multi_processor_count
+
+        def get_l2_cache_size_in_bytes(self) -> int:
+            return device.L2_cache_size
+
+    return FakeHardwareInfo
+
+
+@contextlib.contextmanager
+def fake_b200(device: DeviceDescription = B200) -> Iterator[DeviceDescription]:
+    """Answer the CuTe-DSL kernels' device queries with ``device`` (a B200 by default).
+
+    Patched for the duration of the ``with`` block, and restored on exit:
+
+    * ``torch.cuda.get_device_capability`` -> ``(device.major, device.minor)``;
+    * ``torch.cuda.get_device_properties`` -> ``device`` (SM count, name, memory, ...);
+    * ``cutlass.utils.HardwareInfo`` -> a stand-in answering ``get_max_active_clusters``
+      (cluster capacity), SM count and L2 size;
+    * the CuTe DSL's default target arch -> ``sm_{major}{minor}a`` (what ``CUTE_DSL_ARCH`` sets;
+      only kernels compiled without an explicit ``--gpu-arch`` read it).
+
+    The last two only if ``cutlass`` (nvidia-cutlass-dsl) is installed; it is imported here.
+
+    The libraries' memoised device answers (flashinfer ``get_device_properties`` /
+    ``get_compute_capability``, the cute-dsl / tokenspeed ``get_max_active_clusters``,
+    tokenspeed ``get_num_sm``, and their cached ``HardwareInfo`` singletons) are emptied on entry
+    and exit, so neither real nor fake answers cross the boundary; on a machine with a GPU they are
+    simply recomputed on next use. This patches process-wide state: do not launch real GPU work
+    from other threads while inside the block. Nothing here launches a kernel.
+
+    Yields the ``DeviceDescription`` in force.
+    """
+    description = device
+
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        return (description.major, description.minor)
+
+    def get_device_properties(device: Any = None) -> DeviceDescription:
+        return description
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(torch.cuda, "get_device_capability", get_device_capability)
+        )
+        stack.enter_context(
+            mock.patch.object(torch.cuda, "get_device_properties", get_device_properties)
+        )
+        try:
+            import cutlass.utils as cutlass_utils
+        except ImportError:
+            cutlass_utils = None
+        if cutlass_utils is not None:
+            stack.enter_context(
+                mock.patch.object(cutlass_utils, "HardwareInfo", _fake_hardware_info_class(device))
+            )
+            # The DSL's default target (used by kernels compiled without --gpu-arch, e.g.
+            # tokenspeed-mla's prefill) is CUTE_DSL_ARCH or the detected GPU: pin it.
+            dsl_env = _cute_dsl_environment()
+            if dsl_env is not None:
+                stack.enter_context(
+                    mock.patch.object(dsl_env, "arch", f"sm_{device.major}{device.minor}a")
+                )
+        # Restore HardwareInfo singletons exactly; reset them to None while inside.
+        saved = []
+        for module_name, attr in _HARDWARE_INFO_SINGLETONS:
+            module = sys.modules.get(module_name)
+            if module is not None and hasattr(module, attr):
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, None)
+        _clear_memoised_device_queries()
+        try:
+            yield device
+        finally:
+            _clear_memoised_device_queries()
+            for module_name, attr in _HARDWARE_INFO_SINGLETONS:
+                module = sys.modules.get(module_name)
+                if module is not None and hasattr(module, attr):
+                    setattr(module, attr, None)  # modules first imported inside the block
+            for module, attr, value in saved:
+                setattr(module, attr, value)
+
+
+# --------------------------------------------------------------------------------------------
+# Capturing the kernel variant a runtime call would compile
+# --------------------------------------------------------------------------------------------
+
+
+class KernelUnsupportedError(ValueError):
+    """The library itself rejects this configuration (its own ``can_implement`` check)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    """One compiled-kernel variant, as the library's runtime entry point asked for it.
+
+    ``compile_fn`` is the library's own compile function (e.g.
+    ``tokenspeed_mla.mla_decode._get_compiled_mla_kernel``) and ``kwargs`` the exact arguments the
+    entry point passed it; ``compile_fn(**kwargs)`` is the kernel the runtime call would launch.
+    """
+
+    library: str
+    compile_fn: Callable[..., Any]
+    kwargs: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return f"{self.compile_fn.__module__}.{self.compile_fn.__qualname__}"
+
+    def compile(self, device: DeviceDescription = B200) -> float:
+        """Compile this variant under :func:`fake_b200`; return wall-clock seconds.
+
+        Bypasses the library's ``functools.cache`` (calls ``__wrapped__``), so every call really
+        compiles and no fake-device kernel is left in the library's cache.
+        """
+        fn = getattr(self.compile_fn, "__wrapped__", self.compile_fn)
+        with fake_b200(device):
+            start = time.perf_counter()
+            compiled = fn(**self.kwargs)
+            seconds = time.perf_counter() - start
+        if compiled is None:
+            raise RuntimeError(f"{self.name} returned no compiled kernel")
+        return seconds
+
+
+class _Captured(Exception):
+    """Raised by the spy in place of the library's compile function."""
+
+    def __init__(self, compile_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        super().__init__(compile_fn.__qualname__)
+        self.compile_fn = compile_fn
+        self.args_ = args
+        self.kwargs_ = kwargs
+
+
+def _spy_on(module: Any, attr: str) -> Any:
+    original = getattr(module, attr)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        raise _Captured(original, args, kwargs)
+
+    return mock.patch.object(module, attr, spy)
+
+
+def _bind(compile_fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict:
+    import inspect
+
+    target = getattr(compile_fn, "__wrapped__", compile_fn)
+    bound = inspect.signature(target).bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def _check_shape_args(
+    num_heads: int, q_len: int, page_size: int, kv_dtype: torch.dtype, batch_size: int,
+    max_seq_len: int,
+) -> None:
+    for name, value in (
+        ("num_heads", num_heads), ("q_len", q_len), ("page_size", page_size),
+        ("batch_size", batch_size), ("max_seq_len", max_seq_len),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if kv_dtype not in SUPPORTED_KV_DTYPES:
+        raise ValueError(
+            f"kv_dtype must be one of {SUPPORTED_KV_DTYPES} (the MLA KV pool dtypes), "
+            f"got {kv_dtype!r}"
+        )
+    if max_seq_len < q_len:
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be >= q_len ({q_len})")
+
+
+def _host_inputs(
+    num_heads: int, q_len: int, page_size: int, kv_dtype: torch.dtype, batch_size: int,
+    max_seq_len: int,
+) -> dict[str, torch.Tensor]:
+    """Host tensors shaped like the runtime call's (never read: capture stops before launch).
+
+    query [B, q_len, H, 576] kv_dtype; kv_cache [1, page_size, 576] kv_dtype (the pool size is
+    no compile parameter and is never checked against the block table); block_tables [B, pages] int32 with pages a multiple of 128/page_size
+    (cute-dsl requires it); seq_lens [B] int32 = max_seq_len; workspace int8, sized for the
+    largest split-KV partials the kernels can ask for (allocated, never touched).
+    """
+    tokens_per_tile = 128
+    pages = math.ceil(max_seq_len / page_size)
+    if page_size < tokens_per_tile and tokens_per_tile % page_size == 0:
+        align = tokens_per_tile // page_size
+        pages = math.ceil(pages / align) * align
+    max_splits = 256
+    workspace_bytes = batch_size * q_len * max(num_heads, 128) * max_splits * (KV_LORA_RANK + 1) * 4
+    return dict(
+        query=torch.empty(batch_size, q_len, num_heads, HEAD_DIM_QK, dtype=kv_dtype),
+        kv_cache=torch.empty(1, page_size, HEAD_DIM_QK, dtype=kv_dtype),
+        block_tables=torch.zeros(batch_size, pages, dtype=torch.int32),
+        seq_lens=torch.full((batch_size,), max_seq_len, dtype=torch.int32),
+        workspace_buffer=torch.empty(workspace_bytes, dtype=torch.int8, device="meta"),
+    )
+
+
+def _import(module: str, pip_name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"{module} is needed for this compile check; install {pip_name} "
+            f"(without a CUDA torch: see tests/test_sm100_compile.py)"
+        ) from exc
+
+
+def tokenspeed_decode_variant(
+    num_heads: int,
+    q_len: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    *,
+    batch_size: int = 1,
+    max_seq_len: int = 4096,
+    enable_pdl: bool = True,
+    device: DeviceDescription = B200,
+) -> KernelVariant:
+    """The decode kernel ``tokenspeed_mla.tokenspeed_mla_decode`` would compile for these shapes.
+
+    Calls ``tokenspeed_mla_decode(query [B, q_len, H, 576], kv_cache [pages, page_size, 576],
+    workspace_buffer int8, kv_lora_rank=512, qk_rope_head_dim=64, block_tables [B, pages] int32,
+    seq_lens [B] int32, max_seq_len, softmax_scale, output_scale=1.0, enable_pdl)`` the way the
+    ``tokenspeed_mla`` backend does (SGLang passes ``enable_pdl=True`` on SM100) and captures the
+    arguments it passes to ``tokenspeed_mla.mla_decode._get_compiled_mla_kernel``.
+
+    ``batch_size`` and ``max_seq_len`` matter: they pick split-KV, hence the reducer capacity and
+    D-band count compiled into the FP8 kernel. Raises :class:`KernelUnsupportedError` when the
+    library's own ``_check_can_implement`` rejects the configuration.
+    """
+    _check_shape_args(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
+    tokenspeed_mla = _import("tokenspeed_mla", "tokenspeed-mla")
+    mla_decode = _import("tokenspeed_mla.mla_decode", "tokenspeed-mla")
+    inputs = _host_inputs(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
+    with fake_b200(device), _spy_on(mla_decode, "_get_compiled_mla_kernel"):
+        try:
+            tokenspeed_mla.tokenspeed_mla_decode(
+                **inputs,
+                kv_lora_rank=KV_LORA_RANK,
+                qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+                max_seq_len=max_seq_len,
+                softmax_scale=1.0 / math.sqrt(QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM),
+                output_scale=1.0,
+                enable_pdl=enable_pdl,
+            )
+        except _Captured as captured:
+            return KernelVariant(
+                "tokenspeed_mla",
+                captured.compile_fn,
+                _bind(captured.compile_fn, captured.args_, captured.kwargs_),
+            )
+        except ValueError as exc:
+            if "unsupported configuration" in str(exc):
+                raise KernelUnsupportedError(str(exc)) from exc
+            raise
+    raise RuntimeError(
+        "tokenspeed_mla_decode returned without calling mla_decode._get_compiled_mla_kernel; "
+        "the library's compile path changed, update attn/sm100_compile.py"
+    )
+
+
+def cutedsl_decode_variant(
+    num_heads: int,
+    q_len: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    *,
+    batch_size: int = 1,
+    max_seq_len: int = 4096,
+    cute_dsl_impl: str = "auto",
+    device: DeviceDescription = B200,
+) -> KernelVariant:
+    """The kernel ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(backend="cute-dsl")``
+    would compile for these shapes.
+
+    Calls the public entry point the way the ``cutedsl_mla`` backend does: query
+    [B, q_len, H, 576], kv_cache [pages, 1, page_size, 576] (kv_dtype, same as query),
+    workspace_buffer int8, qk_nope_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
+    block_tables [B, pages] int32, seq_lens [B] int32, max_seq_len, float bmm1_scale,
+    ``backend="cute-dsl"``, ``cute_dsl_impl`` (``"auto"``, the default, resolves to the
+    monolithic kernels unless ``sinks`` are passed). It captures the arguments passed to the
+    monolithic ``flashinfer.cute_dsl.attention.monolithic.mla_decode._get_compiled_mla_kernel`` or,
+    for ``cute_dsl_impl="modular"``, ``...wrappers.batch_mla._compile_mla_kernel``.
+
+    FlashInfer's device helpers refuse non-CUDA tensors, so besides :func:`fake_b200` the names
+    ``get_compute_capability`` / ``device_support_pdl`` / ``get_device_sm_count`` are patched in
+    ``flashinfer.mla._core`` and the monolithic module for the duration of the call (``enable_pdl``
+    then resolves as on a B200: True). Raises :class:`KernelUnsupportedError` when FlashInfer's
+    ``_cute_dsl_incompatibility_reason`` rejects the configuration.
+    """
+    _check_shape_args(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
+    core = _import("flashinfer.mla._core", "flashinfer-python")
+    monolithic = _import("flashinfer.cute_dsl.attention.monolithic.mla_decode", "flashinfer-python")
+    modular = _import("flashinfer.cute_dsl.attention.wrappers.batch_mla", "flashinfer-python")
+    inputs = _host_inputs(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
+    inputs["kv_cache"] = inputs["kv_cache"].unsqueeze(1)  # [pages, 1, page_size, 576], as SGLang
+
+    def capability(_device: Any = None) -> tuple[int, int]:
+        return (device.major, device.minor)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_b200(device))
+        stack.enter_context(mock.patch.object(core, "get_compute_capability", capability))
+        stack.enter_context(
+            mock.patch.object(core, "device_support_pdl", lambda _d=None: device.major >= 9)
+        )
+        stack.enter_context(
+            mock.patch.object(
+                core, "get_device_sm_count", lambda _d=None: device.multi_processor_count
+            )
+        )
+        stack.enter_context(mock.patch.object(monolithic, "get_compute_capability", capability))
+        stack.enter_context(_spy_on(monolithic, "_get_compiled_mla_kernel"))
+        stack.enter_context(_spy_on(modular, "_compile_mla_kernel"))
+        try:
+            core.trtllm_batch_decode_with_kv_cache_mla(
+                **inputs,
+                qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+                kv_lora_rank=KV_LORA_RANK,
+                qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+                max_seq_len=max_seq_len,
+                bmm1_scale=1.0 / math.sqrt(QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM),
+                bmm2_scale=1.0,
+                backend="cute-dsl",
+                cute_dsl_impl=cute_dsl_impl,
+            )
+        except _Captured as captured:
+            return KernelVariant(
+                "flashinfer",
+                captured.compile_fn,
+                _bind(captured.compile_fn, captured.args_, captured.kwargs_),
+            )
+        except ValueError as exc:
+            if "cute-dsl backend" in str(exc):
+                raise KernelUnsupportedError(str(exc)) from exc
+            raise
+    raise RuntimeError(
+        "trtllm_batch_decode_with_kv_cache_mla(backend='cute-dsl') returned without calling a "
+        "known cute-dsl compile function; update attn/sm100_compile.py"
+    )
+
+
+def compile_tokenspeed_decode(
+    num_heads: int,
+    q_len: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    *,
+    batch_size: int = 1,
+    max_seq_len: int = 4096,
+    enable_pdl: bool = True,
+) -> float:
+    """Compile tokenspeed-mla's MLA decode kernel for sm_100a, as the runtime would; return seconds.
+
+    Shapes: query [batch_size, q_len, num_heads, 576] and KV pool [pages, page_size, 576], both
+    ``kv_dtype`` (``torch.float8_e4m3fn`` or ``torch.bfloat16``); output [B, q_len, H, 512] bf16.
+    ``q_len`` is 1 for draft/decode steps and ``num_draft_tokens`` for verify. Needs no GPU.
+    See :func:`tokenspeed_decode_variant` for which variant is compiled.
+    """
+    return tokenspeed_decode_variant(
+        num_heads, q_len, page_size, kv_dtype,
+        batch_size=batch_size, max_seq_len=max_seq_len, enable_pdl=enable_pdl,
+    ).compile()
+
+
+def compile_cutedsl_decode(
+    num_heads: int,
+    q_len: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    *,
+    batch_size: int = 1,
+    max_seq_len: int = 4096,
+    cute_dsl_impl: str = "auto",
+) -> float:
+    """Compile FlashInfer's cute-dsl MLA decode kernel for sm_100a, as the runtime would; return
+    seconds.
+
+    Shapes as for :func:`compile_tokenspeed_decode` (query [B, q_len, H, 576], KV pool
+    [pages, page_size, 576], same dtype; output bf16). Needs no GPU. See
+    :func:`cutedsl_decode_variant` for which variant is compiled.
+    """
+    return cutedsl_decode_variant(
+        num_heads, q_len, page_size, kv_dtype,
+        batch_size=batch_size, max_seq_len=max_seq_len, cute_dsl_impl=cute_dsl_impl,
+    ).compile()

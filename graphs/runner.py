@@ -1,0 +1,153 @@
+"""CUDA graphs of the spec step: draft (all steps + top-k), verify (+ accept, KV commit), draft-extend.
+
+One set of static input buffers at the largest bucket; for each batch-size bucket (captured
+largest first, every graph in one memory pool) three graphs read the first ``bs`` rows. A live
+batch is copied into the first rows of the next bucket up; padded rows point at the pool's
+padding row (all slots in the padding page) with N = 0, so they touch no real KV or output.
+Metadata is built on the device inside the graphs from the static inputs, so a replay needs no
+per-backend host work; backends that plan on the host (``supports_cuda_graph = False``) are
+refused, or run eagerly when ``eager_fallback`` is set.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specdec.kv import PADDING_ROW
+from specdec.tree import VerifyTree
+from specdec.verify import AcceptResult, greedy_accept
+
+
+def default_buckets(max_bs: int) -> list[int]:
+    """``[1, 2, 4, 8] + range(16, max_bs + 1, 16)`` capped at max_bs, max_bs included."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
+    return sorted(set(sizes) | {max_bs})
+
+
+def pick_bucket(buckets: list[int], batch_size: int) -> Optional[int]:
+    """The smallest bucket holding ``batch_size`` rows, or None if it exceeds the largest."""
+    i = bisect.bisect_left(buckets, batch_size)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass
+class StaticInputs:
+    """Largest-bucket input buffers: the DecodeState fields plus the request rows."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def fill(self, live: dict[str, torch.Tensor], bucket: int) -> None:
+        """Copy a live batch into rows [0, b) and make rows [b, bucket) harmless padding."""
+        b = next(iter(live.values())).shape[0]
+        for name, buf in self.tensors.items():
+            buf[:b].copy_(live[name], non_blocking=True)
+            buf[b:bucket].fill_(PADDING_ROW if name.endswith("rows") else 0)
+
+    def view(self, bs: int) -> dict[str, torch.Tensor]:
+        return {name: t[:bs] for name, t in self.tensors.items()}
+
+
+@dataclass
+class _Captured:
+    graphs: list[torch.cuda.CUDAGraph]
+    result: AcceptResult
+    state: object  # DecodeState
+    tree: VerifyTree
+
+
+class GraphRunner:
+    """Captures and replays ``EagleWorker.spec_pass`` for batch-size buckets."""
+
+    def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True) -> None:
+        self.worker = worker
+        cfg = worker.config
+        self.buckets = sorted(set(batch_sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))
+        self.eager_fallback = eager_fallback
+        backends = [worker.verify_backend, worker.draft_extend_backend, *worker.draft_backend.steps]
+        unsupported = sorted({b.name for b in backends if not b.supports_cuda_graph})
+        if unsupported:
+            raise ValueError(f"backends {unsupported} cannot be captured in CUDA graphs (they plan on the host); "
+                             "disable cuda graphs or pick triton_mla / torch_ref / a Blackwell backend")
+        max_bs = self.buckets[-1]
+        for backend in backends:
+            backend.init_cuda_graph_state(max_bs, max_bs * cfg.num_draft_tokens)
+        st = worker.state_template(max_bs)
+        self.static = StaticInputs({
+            "target_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=worker.device),
+            "draft_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=worker.device),
+            **{name: t.zero_() for name, t in vars(st).items()},
+        })
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captured: dict[int, _Captured] = {}
+        self.capture_seconds = self._capture_all(progress)
+        worker.graph_runner = self
+
+    def _spec_pass_parts(self, inputs: dict[str, torch.Tensor]):
+        """The three graph bodies over static inputs, as closures sharing their outputs."""
+        w = self.worker
+        st = w.state_from(inputs)
+        out: dict[str, object] = {}
+
+        def draft() -> None:
+            out["tree"] = w.draft_tree(st, inputs["draft_rows"])
+
+        def verify() -> None:
+            pred, out["hidden"] = w.verify(st, out["tree"], inputs["target_rows"])
+            out["result"] = greedy_accept(out["tree"], pred, w.config.num_steps)
+            w.commit_kv(st, out["result"], inputs["target_rows"])
+
+        def extend() -> None:
+            out["state"] = w.draft_extend(st, out["result"], out["hidden"], inputs["draft_rows"])
+
+        return (draft, verify, extend), out
+
+    def _capture_all(self, progress: bool) -> float:
+        start = time.perf_counter()
+        for i, bs in enumerate(reversed(self.buckets)):  # largest first: later graphs reuse its pool memory
+            if progress:
+                print(f"\rcapturing CUDA graphs: batch size {bs:4d} ({i + 1}/{len(self.buckets)})", end="", file=sys.stderr)
+            inputs = self.static.view(bs)
+            parts, out = self._spec_pass_parts(inputs)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: lazy inits, autotuning, JIT
+                for part in parts:
+                    part()
+            torch.cuda.current_stream().wait_stream(stream)
+            graphs = []
+            for part in parts:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    part()
+                graphs.append(graph)
+            self.captured[bs] = _Captured(graphs, out["result"], out["state"], out["tree"])
+        torch.cuda.synchronize()
+        if progress:
+            print(file=sys.stderr)
+        return time.perf_counter() - start
+
+    def run(self, live: dict[str, torch.Tensor]) -> Optional[tuple[AcceptResult, object, VerifyTree]]:
+        """Replay the step for a live batch; returns outputs sliced to its rows (graph-owned:
+        valid until the next replay), or None when eager_fallback allows an oversized batch."""
+        b = live["target_rows"].shape[0]
+        bucket = pick_bucket(self.buckets, b)
+        if bucket is None:
+            if self.eager_fallback:
+                return None
+            raise ValueError(f"batch of {b} exceeds the largest CUDA-graph bucket {self.buckets[-1]}; "
+                             "add a larger bucket to cuda_graph_batch_sizes or enable eager_fallback")
+        self.static.fill(live, bucket)
+        cap = self.captured[bucket]
+        for graph in cap.graphs:
+            graph.replay()
+        rows = slice(0, b)
+        result = AcceptResult(*(t[rows] for t in vars(cap.result).values()))
+        state = type(cap.state)(*(t[rows] for t in vars(cap.state).values()))
+        tree = VerifyTree(*(t[rows] for t in vars(cap.tree).values()))
+        return result, state, tree

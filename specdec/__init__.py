@@ -1,0 +1,1 @@
+"""specdec: EAGLE speculative decoding for MLA (DeepSeek-V3-architecture) models."""

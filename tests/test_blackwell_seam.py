@@ -1,0 +1,106 @@
+"""The Blackwell backends' metadata path, end to end in the worker, on CPU.
+
+Only the kernel call (``_run_decode_kernel``) is swapped for the torch reference with the same
+contract; block tables, seq_lens, q_len, workspaces, scales and the fallbacks are the real ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn.cutedsl_mla import CuteDslMLABackend
+from attn.paged import PagedMLABackend
+from attn.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
+from attn.torch_ref import TorchRefBackend
+from attn.trtllm_mla import TrtllmMLABackend
+from specdec.baseline import greedy_generate
+from specdec.config import SpecConfig
+from specdec.kv import KV_DTYPES
+from specdec.worker import EagleWorker
+from test_worker import prompts, run_to_completion  # noqa: F401  (fixtures below)
+from test_worker import mtp, target  # noqa: F401
+
+BLACKWELL = (TrtllmMLABackend, CuteDslMLABackend, TokenspeedMLABackend)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Replace each Blackwell kernel call by the reference; record (backend, q_len) per call."""
+    calls: list[tuple[str, int]] = []
+
+    def reference_kernel(self: PagedMLABackend, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
+        bs, q_len, heads, dim = query.shape
+        assert dim == 576 and heads == self.layer.num_heads and custom_mask is None
+        assert kv_cache.shape[1:] == (self.page_size, 576) and self.page_size in (32, 64)
+        assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+        assert block_tables.shape == (bs, self.max_pages) and seq_lens.shape == (bs,)
+        assert max_seq_len == self.max_pages * self.page_size
+        calls.append((self.name, q_len))
+        return TorchRefBackend._run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
+
+    for cls in BLACKWELL:
+        monkeypatch.setattr(cls, "_run_decode_kernel", reference_kernel)
+        monkeypatch.setattr(cls, "required_sm", None)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "backend,kv_dtype,expected",
+    [
+        ("trtllm_mla", "bf16", {"verify": "trtllm_mla", "draft": "trtllm_mla", "extend": "trtllm_mla"}),
+        ("cutedsl_mla", "bf16", {"verify": "cutedsl_mla", "draft": "cutedsl_mla", "extend": "trtllm_mla"}),
+        ("cutedsl_mla", "fp8_e4m3", {"verify": "cutedsl_mla", "draft": "cutedsl_mla", "extend": "trtllm_mla"}),
+        ("tokenspeed_mla", "fp8_e4m3", {"verify": "tokenspeed_mla", "draft": "tokenspeed_mla", "extend": "tokenspeed_mla"}),
+    ],
+)
+def test_worker_lossless_through_the_seam(target, mtp, kernel_calls, backend, kv_dtype, expected):  # noqa: F811
+    num_steps = 3
+    cfg = SpecConfig(num_steps=num_steps, attention_backend=backend, kv_dtype=kv_dtype, page_size=64, max_batch_size=4, max_context_len=256)
+    worker = EagleWorker(target, mtp, cfg)
+    groups = [(prompts(3, seed=21), 9), (prompts(1, seed=22), 6)]
+    outputs, _ = run_to_completion(worker, groups)
+    reference = []
+    for group, max_new in groups:
+        reference += greedy_generate(target, group, max_new, page_size=64, kv_dtype=KV_DTYPES[kv_dtype])
+    assert outputs == reference
+    # Which family served which pass: q_len 1 = draft steps, num_steps + 1 = verify and draft-extend.
+    by_q = {}
+    for name, q_len in kernel_calls:
+        by_q.setdefault(q_len, set()).add(name)
+    assert by_q[1] == {expected["draft"]}
+    assert by_q[num_steps + 1] == {expected["verify"], expected["extend"]}
+    assert worker.draft_backend.steps and all(b.name == expected["draft"] for b in worker.draft_backend.steps)
+    assert worker.draft_extend_backend.name == expected["extend"]
+
+
+def test_workspaces_are_isolated_and_trtllm_gen_is_zeroed(target, mtp, kernel_calls):  # noqa: F811
+    cfg = SpecConfig(num_steps=2, attention_backend="cutedsl_mla", page_size=64, max_batch_size=2, max_context_len=128)
+    worker = EagleWorker(target, mtp, cfg)
+    cute = worker.verify_backend.workspace
+    trt = worker.draft_extend_backend.workspace
+    assert worker.verify_backend.kernel_family == "cute_dsl" and worker.draft_extend_backend.kernel_family == "trtllm_gen"
+    assert cute.data_ptr() != trt.data_ptr()
+    assert cute.data_ptr() + cute.numel() <= trt.data_ptr() or trt.data_ptr() + trt.numel() <= cute.data_ptr()
+    assert not trt.any()
+    # every trtllm-gen user shares the one zeroed buffer
+    assert worker.target_prefill_backend.workspace.data_ptr() == trt.data_ptr()
+    assert all(b.workspace.data_ptr() == cute.data_ptr() for b in worker.draft_backend.steps)
+
+
+def test_tokenspeed_workspace_sized_from_sms_and_heads(target, mtp, kernel_calls):  # noqa: F811
+    cfg = SpecConfig(num_steps=2, attention_backend="tokenspeed_mla", kv_dtype="fp8_e4m3", page_size=64, max_batch_size=2, max_context_len=128)
+    worker = EagleWorker(target, mtp, cfg)
+    heads = target.attn_spec().num_heads
+    assert worker.verify_backend.workspace.numel() >= tokenspeed_workspace_bytes(148, heads) == 148 * heads * 8 * 513 * 4
+
+
+def test_fp8_scales(target, kernel_calls):  # noqa: F811
+    from attn.base import LayerSpec
+    from specdec.kv import MLAKVPool
+
+    pool = MLAKVPool(1, 4, 64, 1, 128, torch.float8_e4m3fn, kv_scale=0.5)
+    backend = TrtllmMLABackend(pool.view(), LayerSpec(num_heads=4, sm_scale=0.125), 1, 4)
+    assert backend.bmm1_scale() == 0.5 * 0.125 and backend.bmm2_scale() == 0.5
+    bf16 = MLAKVPool(1, 4, 64, 1, 128, torch.bfloat16, kv_scale=0.5)
+    assert TrtllmMLABackend(bf16.view(), LayerSpec(4, 0.125), 1, 4).bmm1_scale() == 0.125

@@ -1,0 +1,91 @@
+"""Backend selection and validation rules; no kernel library is imported here."""
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+from attn.registry import check_device, check_kv_dtype, check_page_size, check_tree_support, resolve_backends
+from specdec.config import ConfigError, SpecConfig
+
+
+def test_cutedsl_prefill_and_draft_extend_fall_back_to_trtllm():
+    choice = resolve_backends("cutedsl_mla")
+    assert (choice.target, choice.draft, choice.draft_extend, choice.prefill) == ("cutedsl_mla", "cutedsl_mla", "trtllm_mla", "trtllm_mla")
+
+
+def test_tokenspeed_serves_every_role_itself():
+    choice = resolve_backends("tokenspeed_mla")
+    assert set(vars(choice).values()) == {"tokenspeed_mla"}
+
+
+def test_blackwell_query_lengths_fit_the_decode_kernel():
+    with pytest.raises(ConfigError, match="at most 8 query tokens per request, got 9"), pytest.warns(UserWarning):
+        SpecConfig(attention_backend="trtllm_mla", num_steps=8)
+    SpecConfig(attention_backend="trtllm_mla", num_steps=7, page_size=64)
+
+
+@pytest.mark.parametrize("kw", [dict(attention="cutedsl_mla", prefill="cutedsl_mla"), dict(attention="trtllm_mla", prefill="cutedsl_mla")])
+def test_cutedsl_refused_as_prefill(kw):
+    with pytest.raises(ValueError, match="prefill_backend 'cutedsl_mla' is decode-only.*trtllm_mla"):
+        resolve_backends(kw["attention"], None, kw["prefill"])
+
+
+def test_cutedsl_as_decode_backend_keeps_its_own_draft():
+    choice = resolve_backends("trtllm_mla", "cutedsl_mla")
+    assert choice.draft == "cutedsl_mla" and choice.prefill == "trtllm_mla"
+
+
+@pytest.mark.parametrize("name", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
+def test_blackwell_page_size_warns_and_becomes_64(name):
+    with pytest.warns(UserWarning, match="using page_size 64"):
+        assert check_page_size(resolve_backends(name), 16) == 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_page_size(resolve_backends(name), 32) == 32
+
+
+def test_kv_dtype_rules():
+    check_kv_dtype(resolve_backends("cutedsl_mla"), "fp8_e4m3")
+    check_kv_dtype(resolve_backends("cutedsl_mla"), "bf16")
+    check_kv_dtype(resolve_backends("tokenspeed_mla"), "fp8_e4m3")
+    with pytest.raises(ValueError, match="tokenspeed_mla .* kv_dtype"):
+        check_kv_dtype(resolve_backends("tokenspeed_mla"), "bf16")
+    with pytest.raises(ValueError, match="cutedsl_mla"):
+        check_kv_dtype(resolve_backends("cutedsl_mla"), "fp32")
+
+
+def test_trees_need_tree_mask_backends():
+    check_tree_support(resolve_backends("torch_ref"), 4)
+    with pytest.raises(ValueError, match="trtllm_mla \\(target\\) cannot attend with a tree mask"):
+        check_tree_support(resolve_backends("trtllm_mla"), 2)
+
+
+@pytest.mark.parametrize("name", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
+def test_blackwell_refused_off_sm100_before_any_library_import(name):
+    before = set(sys.modules)
+    with pytest.raises(ValueError, match=f"{name} .* needs a SM10x GPU .* backends that run here: \\['torch_ref'\\]"):
+        check_device(resolve_backends(name), torch.device("cpu"))
+    assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("flashinfer", "tokenspeed_mla", "cutlass")}
+
+
+def test_config_errors_name_the_setting():
+    for kw, needle in [
+        (dict(topk=4, num_draft_tokens=3), "topk"),
+        (dict(num_steps=3, num_draft_tokens=6), "num_draft_tokens"),
+        (dict(topk=2, num_steps=2, num_draft_tokens=8), "num_draft_tokens"),
+        (dict(attention_backend="nope"), "unknown attention backend"),
+        (dict(page_size=24), "page_size"),
+        (dict(kv_dtype="int4"), "kv_dtype"),
+        (dict(draft_mode="medusa"), "draft_mode"),
+        (dict(attention_backend="trtllm_mla", page_size=64, topk=2, num_draft_tokens=4), "tree mask"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            SpecConfig(**kw)
+
+
+def test_config_page_size_adjusted_for_blackwell():
+    with pytest.warns(UserWarning):
+        cfg = SpecConfig(attention_backend="trtllm_mla", page_size=16, max_context_len=512)
+    assert cfg.page_size == 64 and cfg.num_pages == cfg.max_batch_size * 8 + 1
