@@ -28,8 +28,6 @@ def greedy_accept(tree: VerifyTree, target_pred: torch.Tensor, num_steps: int) -
     target_pred: ``[B, ndt]`` int64, the target's argmax after each tree node. Siblings carry
     distinct tokens, so at most one path matches.
     """
-    batch, ndt = tree.tokens.shape
-    device = tree.tokens.device
     correct = tree.tokens == target_pred.gather(1, tree.parents)
     correct[:, 0] = True
     accepted = correct.clone()
@@ -37,13 +35,17 @@ def greedy_accept(tree: VerifyTree, target_pred: torch.Tensor, num_steps: int) -
         accepted = correct & accepted.gather(1, tree.parents)
     last = (accepted * (tree.depth + 1)).argmax(dim=1)  # the deepest accepted node
     accept_len = tree.depth.gather(1, last[:, None]).squeeze(1)
+    bonus = target_pred.gather(1, last[:, None]).squeeze(1)
+    return path_and_emitted(tree, last, accept_len, bonus, num_steps)
 
+
+def path_and_emitted(tree: VerifyTree, last: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor, num_steps: int) -> AcceptResult:
+    """The AcceptResult of a verification that ended at tree node ``last`` (``[B]``) with ``bonus``."""
+    batch, device = last.shape[0], last.device
     on_path = tree.mask[torch.arange(batch, device=device), last]  # ancestors of `last`, itself included
     steps = torch.arange(num_steps + 1, device=device)
     at_depth = on_path[:, None, :] & (tree.depth[:, None, :] == steps[None, :, None])  # [B, S+1, ndt]
     path = torch.where(at_depth.any(-1), at_depth.int().argmax(-1), last[:, None])
-    bonus = target_pred.gather(1, last[:, None]).squeeze(1)
-
     drafted = tree.tokens.gather(1, path[:, 1:])  # [B, num_steps]
     emitted = torch.cat([drafted, torch.full_like(bonus[:, None], -1)], dim=1)
     emitted.scatter_(1, accept_len[:, None], bonus[:, None])

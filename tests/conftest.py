@@ -9,3 +9,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def models():
+    """(target, MTP draft) on CPU in fp32, so greedy ties cannot flip."""
+    from spec_helpers import make_models
+
+    return make_models()
+
+
+@pytest.fixture(scope="session")
+def target(models):
+    return models[0]
+
+
+@pytest.fixture(scope="session")
+def mtp(models):
+    return models[1]

@@ -1,0 +1,110 @@
+"""Sampling: per-request temperature / top-p / top-k, and exact tree rejection sampling.
+
+Verification walks the tree from the root. At each accepted node, its children are tried in
+order: child c is accepted with probability ``p(c)`` under the target's (residual) distribution
+p; a rejected child's token is removed from p, which is renormalised. If no child is accepted,
+the bonus token is drawn from the residual p. Emitting x then has probability exactly p(x)
+whatever the draft proposed (for two children c1, c2: P(c2) = (1 - p(c1)) * p(c2) / (1 - p(c1))),
+so the target's distribution is preserved; temperature 0 (one-hot p) reduces to greedy.
+
+Random numbers come from a counter-based hash of (request seed, step counter, draw index): each
+request's stream is reproducible, independent of batch composition, and needs no host state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specdec.tree import VerifyTree
+from specdec.verify import AcceptResult, path_and_emitted
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_p in (0, 1]; top_k 0 disables; seed picks the random stream."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """The distribution each request samples from. logits ``[N, V]``; per-row parameters ``[N]``.
+
+    Temperature 0 gives a one-hot argmax. Returns ``[N, V]`` fp32.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])
+    drop = ranks >= k[:, None]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
+    drop |= greedy[:, None] & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, draw: int) -> torch.Tensor:
+    """Uniform [0, 1) floats from (seed, counter, draw) by a splitmix64-style hash. ``[N]`` int64 -> ``[N]`` fp64."""
+    mask = (1 << 62) - 1  # stay in non-negative int64 so shifts are logical
+    x = (seed * 0x9E3779B1 + counter * 0x85EBCA77 + draw * 0xC2B2AE3D + 0x27D4EB2F) & mask
+    for mult in (0x2545F4914F6CDD1D & mask, 0x5851F42D4C957F2D & mask):
+        x = ((x ^ (x >> 29)) * mult) & mask
+    x ^= x >> 31
+    return (x >> 9).double() / float(1 << 53)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs ``[N, V]`` (need not be normalised), u ``[N]`` -> ``[N]`` int64."""
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def tree_rejection_sample(
+    tree: VerifyTree, probs: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, num_steps: int
+) -> AcceptResult:
+    """Walk the tree accepting children by target probability; draw the bonus from the residual.
+
+    probs: ``[B, ndt, V]`` target distributions after each tree node (target_probs);
+    seed / counter: ``[B]`` int64 random stream of each request. Static loop bounds: no host sync.
+    """
+    batch, ndt, _ = probs.shape
+    rows = torch.arange(batch, device=probs.device)
+    cur = torch.zeros(batch, dtype=torch.long, device=probs.device)
+    active = torch.ones(batch, dtype=torch.bool, device=probs.device)  # still descending
+    accept_len = torch.zeros_like(cur)
+    residual = probs[rows, cur].clone()
+    for depth in range(num_steps):
+        moved = torch.zeros_like(active)
+        for j in range(1, ndt):
+            is_child = active & ~moved & (tree.parents[:, j] == cur)
+            token = tree.tokens[:, j]
+            p_tok = residual[rows, token] / residual.sum(-1).clamp_min(1e-30)
+            u = hash_uniform(seed, counter, depth * ndt + j)
+            take = is_child & (u < p_tok)
+            reject = is_child & ~take
+            residual[rows, token] = torch.where(reject, 0.0, residual[rows, token])
+            cur = torch.where(take, j, cur)
+            moved |= take
+        accept_len += moved
+        active &= moved
+        residual = torch.where(moved[:, None], probs[rows, cur], residual)
+    bonus = sample_from(residual, hash_uniform(seed, counter, num_steps * ndt + ndt))
+    return path_and_emitted(tree, cur, accept_len, bonus, num_steps)

@@ -1,0 +1,81 @@
+"""Tree rejection sampling preserves the target distribution (statistical tests on CPU)."""
+
+import pytest
+import torch
+
+from specdec.sampling import SamplingParams, hash_uniform, target_probs, tree_rejection_sample
+from specdec.tree import DraftTree
+from specdec.verify import greedy_accept
+
+N = 40_000  # samples, one batch row each; TV bound below is ~6 standard errors
+
+
+def tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - probs).abs().sum().item()
+
+
+def make_tree(batch: int, topk: int, num_steps: int, ndt: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    probs0 = torch.rand(1, vocab, generator=g).softmax(-1)
+    p, ids = probs0.topk(topk)
+    tree = DraftTree(p.expand(batch, -1), ids.expand(batch, -1))
+    for _ in range(num_steps - 1):
+        q = torch.rand(1, topk, vocab, generator=g).softmax(-1)
+        cp, cid = q.topk(topk)
+        tree.grow(cp.expand(batch, -1, -1), cid.expand(batch, -1, -1))
+    return tree.build(torch.zeros(batch, dtype=torch.long), ndt, num_steps)
+
+
+@pytest.mark.parametrize("topk,num_steps,ndt", [(1, 3, 4), (2, 3, 6), (3, 2, 7)])
+def test_first_two_tokens_follow_the_target(topk, num_steps, ndt):
+    vocab = 6
+    vt = make_tree(N, topk, num_steps, ndt, vocab, seed=topk)
+    g = torch.Generator().manual_seed(100 + topk)
+    node_probs = (torch.randn(1, ndt, vocab, generator=g) * 1.5).softmax(-1).expand(N, -1, -1)
+    res = tree_rejection_sample(vt, node_probs, torch.arange(N), torch.zeros(N, dtype=torch.long), num_steps)
+    first = res.emitted[:, 0]
+    assert tv(torch.bincount(first, minlength=vocab).double(), node_probs[0, 0].double()) < 0.02
+    # Second token given the first: the target's distribution after the node holding `first`
+    # (when the draft proposed it), else a fresh step would begin: only check drafted ones.
+    for node in range(1, ndt):
+        if vt.parents[0, node] != 0:
+            continue
+        rows = (first == vt.tokens[0, node]) & (res.accept_len >= 1)
+        if rows.sum() < 2000:
+            continue
+        second = res.emitted[rows, 1]
+        assert tv(torch.bincount(second, minlength=vocab).double(), node_probs[0, node].double()) < 0.04
+
+
+def test_temperature_zero_is_greedy():
+    vt = make_tree(64, 2, 3, 6, 10, seed=3)
+    logits = torch.randn(64 * 6, 10)
+    zeros = torch.zeros(64 * 6)
+    probs = target_probs(logits, zeros, torch.ones_like(zeros), torch.zeros(64 * 6, dtype=torch.long)).view(64, 6, 10)
+    sampled = tree_rejection_sample(vt, probs, torch.arange(64), torch.zeros(64, dtype=torch.long), 3)
+    greedy = greedy_accept(vt, logits.view(64, 6, 10).argmax(-1), 3)
+    assert torch.equal(sampled.emitted, greedy.emitted)
+
+
+def test_top_k_top_p_temperature():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).expand(3, -1)
+    probs = target_probs(logits, torch.tensor([1.0, 1.0, 2.0]), torch.tensor([1.0, 0.7, 1.0]), torch.tensor([2, 0, 0]))
+    full = torch.softmax(torch.tensor([3.0, 2.0, 1.0, 0.0]), -1)
+    torch.testing.assert_close(probs[0], torch.cat([full[:2] / full[:2].sum(), torch.zeros(2)]))
+    assert (probs[1] > 0).tolist() == [True, True, False, False]  # 0.66 < 0.7 needs the second token
+    torch.testing.assert_close(probs[2], torch.softmax(torch.tensor([1.5, 1.0, 0.5, 0.0]), -1))
+
+
+def test_hash_uniform_is_uniform_and_reproducible():
+    seeds = torch.arange(50_000)
+    u = hash_uniform(seeds, torch.full_like(seeds, 7), 3)
+    assert torch.equal(u, hash_uniform(seeds, torch.full_like(seeds, 7), 3))
+    assert 0 <= u.min() and u.max() < 1
+    assert tv(torch.histc(u.float(), 10, 0, 1).double(), torch.full((10,), 0.1, dtype=torch.float64)) < 0.01
+    assert not torch.equal(u, hash_uniform(seeds, torch.full_like(seeds, 8), 3))
+
+
+def test_bad_sampling_params():
+    for kw in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
