@@ -21,7 +21,7 @@ import torch
 
 from specdec.kv import PADDING_ROW
 from specdec.tree import VerifyTree
-from specdec.verify import AcceptResult, greedy_accept
+from specdec.verify import AcceptResult
 
 
 def default_buckets(max_bs: int) -> list[int]:
@@ -98,8 +98,8 @@ class GraphRunner:
             out["tree"] = w.draft_tree(st, inputs["draft_rows"])
 
         def verify() -> None:
-            pred, out["hidden"] = w.verify(st, out["tree"], inputs["target_rows"])
-            out["result"] = greedy_accept(out["tree"], pred, w.config.num_steps)
+            logits, out["hidden"] = w.verify(st, out["tree"], inputs["target_rows"])
+            out["result"] = w.accept(st, out["tree"], logits)
             w.commit_kv(st, out["result"], inputs["target_rows"])
 
         def extend() -> None:

@@ -9,6 +9,14 @@ import torch
 from attn.base import AttnBatch, ForwardMode
 
 
+def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list on the device without a synchronising copy (pinned staging, non-blocking)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def uniform_batch(
     mode: ForwardMode,
     req_to_token: torch.Tensor,

@@ -33,7 +33,9 @@ class SpecConfig:
     page_size: tokens per KV page; must divide max_context_len.
     kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp32" or "fp8_e4m3".
     max_batch_size / max_context_len / num_pages: pool and buffer sizes (num_pages per pool).
-    cuda_graph_batch_sizes: buckets for CUDA graphs; empty disables graphs.
+    cuda_graph_batch_sizes: buckets for CUDA graphs (graphs.runner.GraphRunner's default).
+    enable_sampling: verify by tree rejection sampling so requests may use temperature > 0
+        (greedy requests still get exactly the greedy output); off: argmax verification only.
     """
 
     num_steps: int = 3
@@ -49,6 +51,7 @@ class SpecConfig:
     max_context_len: int = 512
     num_pages: Optional[int] = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
+    enable_sampling: bool = False
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is None and self.topk == 1:

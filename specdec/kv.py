@@ -113,4 +113,6 @@ class MLAKVPool:
         page_ids = torch.tensor(pages, dtype=torch.int32)
         slots = (page_ids[:, None] * ps + torch.arange(ps, dtype=torch.int32)[None, :]).flatten()
         start = first_page * ps
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            slots = slots.pin_memory()  # a non-blocking copy: page growth inside a step does not sync
+        self.req_to_token[row, start : start + slots.numel()].copy_(slots, non_blocking=True)

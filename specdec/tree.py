@@ -15,9 +15,15 @@ from typing import Optional
 import torch
 
 
-def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax then top-k. logits ``[N, V]`` -> (probs ``[N, k]`` fp32, ids ``[N, k]`` int64)."""
-    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (at each row's sampling temperature; 0 = greedy keeps 1) then top-k.
+
+    logits ``[N, V]``, temperature ``[N]`` -> (probs ``[N, k]`` fp32, ids ``[N, k]`` int64).
+    """
+    logits = logits.float()
+    if temperature is not None:
+        logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    return torch.softmax(logits, dim=-1).topk(k, dim=-1)
 
 
 @dataclass

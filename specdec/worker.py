@@ -18,10 +18,11 @@ import torch
 from attn.base import AttnBatch, ForwardMode
 from attn.multistep import MultiStepDraftBackend
 from attn.registry import check_device
-from specdec.batch import extend_batch, uniform_batch
+from specdec.batch import extend_batch, host_to_device, uniform_batch
 from specdec.config import SpecConfig
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
+from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample
 from specdec.tree import DraftTree, VerifyTree, topk_probs
 from specdec.verify import AcceptResult, greedy_accept
 
@@ -36,6 +37,7 @@ class Request:
     eos_token_id: Optional[int]
     target_row: int
     draft_row: int
+    sampling: SamplingParams = SamplingParams()
     seq_len: int = 0
     output: list[int] = field(default_factory=list)
     finished: bool = False
@@ -46,7 +48,9 @@ class DecodeState:
     """Device state of the running batch, aligned with ``EagleWorker.requests``.
 
     root ``[B]`` int64; seq_lens ``[B]`` int64 (N); hidden ``[B, D]`` the draft's last hidden state;
-    cand_probs / cand_ids ``[B, topk]``: the first draft step's candidates.
+    cand_probs / cand_ids ``[B, topk]``: the first draft step's candidates;
+    temperature / top_p ``[B]`` fp32, top_k / seed ``[B]`` int64: sampling parameters;
+    counter ``[B]`` int64: spec steps taken, the position in the request's random stream.
     """
 
     root: torch.Tensor
@@ -54,6 +58,15 @@ class DecodeState:
     hidden: torch.Tensor
     cand_probs: torch.Tensor
     cand_ids: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+    counter: torch.Tensor
+
+    def advance(self, root: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor, cand: tuple[torch.Tensor, torch.Tensor]) -> "DecodeState":
+        """The next step's state: same sampling parameters, counter + 1."""
+        return DecodeState(root, seq_lens, hidden, *cand, self.temperature, self.top_p, self.top_k, self.seed, self.counter + 1)
 
     def select(self, keep: torch.Tensor) -> "DecodeState":
         return DecodeState(*(t.index_select(0, keep) for t in vars(self).values()))
@@ -105,12 +118,22 @@ class EagleWorker:
         self._next_rid = 0
 
     # ------------------------------------------------------------ admission
-    def add_requests(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None) -> list[Request]:
+    def add_requests(
+        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
+        sampling: Optional[list[SamplingParams]] = None,
+    ) -> list[Request]:
         """Prefill new requests (target, then draft) and add them to the running batch.
 
-        Validates everything first: a bad request raises and changes nothing.
+        sampling: one SamplingParams per prompt (default greedy); temperature > 0 needs
+        ``SpecConfig.enable_sampling``. Validates everything first: a bad request raises and
+        changes nothing.
         """
         cfg = self.config
+        sampling = sampling or [SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        if not cfg.enable_sampling and any(p.temperature > 0 for p in sampling):
+            raise ValueError("temperature > 0 needs SpecConfig(enable_sampling=True) (rejection-sampling verification)")
         if len(self.requests) + len(prompts) > cfg.max_batch_size:
             raise ValueError(f"{len(self.requests)} running + {len(prompts)} new requests exceed max_batch_size {cfg.max_batch_size}")
         vocab = self.target.config.vocab_size
@@ -126,7 +149,7 @@ class EagleWorker:
                     f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + {headroom} spec headroom "
                     f"exceed max_context_len {cfg.max_context_len}; raise max_context_len or shorten the request"
                 )
-        new = self._allocate(prompts, max_new_tokens, eos_token_id)
+        new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         new_state = self._prefill(new)
         keep = []
         for i, (req, token) in enumerate(zip(new, _to_host(new_state.root).tolist())):
@@ -142,11 +165,11 @@ class EagleWorker:
             self.requests.extend(new[i] for i in keep)
         return new
 
-    def _allocate(self, prompts: list[list[int]], max_new_tokens: int, eos: Optional[int]) -> list[Request]:
+    def _allocate(self, prompts: list[list[int]], max_new_tokens: int, eos: Optional[int], sampling: list[SamplingParams]) -> list[Request]:
         new: list[Request] = []
         try:
-            for prompt in prompts:
-                req = Request(self._next_rid, list(prompt), max_new_tokens, eos, self.target_pool.alloc_request(), -1)
+            for prompt, params in zip(prompts, sampling):
+                req = Request(self._next_rid, list(prompt), max_new_tokens, eos, self.target_pool.alloc_request(), -1, params)
                 new.append(req)
                 req.draft_row = self.draft_pool.alloc_request()
                 self.target_pool.ensure_capacity(req.target_row, len(prompt))
@@ -174,7 +197,9 @@ class EagleWorker:
         batch = extend_batch(self.target_pool.req_to_token, [r.target_row for r in new], [0] * len(new), lens)
         hidden = self._forward_target(ids, positions, self.target_prefill_backend, batch)
         last = batch.cu_seqlens_q[1:].long() - 1
-        root = self.target.compute_logits(hidden[last]).argmax(-1)
+        params = self._sampling_tensors(new)
+        probs = target_probs(self.target.compute_logits(hidden[last]), *params[:3])
+        root = sample_from(probs, hash_uniform(params[3], torch.zeros_like(params[3]), -1))
 
         # The draft sees (prompt + [root])[1 - off:] at positions 0.. (index maps known on the host).
         starts = torch.tensor([0] + lens).cumsum(0)[:-1]
@@ -189,11 +214,21 @@ class EagleWorker:
         dbatch = extend_batch(self.draft_pool.req_to_token, [r.draft_row for r in new], [0] * len(new), draft_lens)
         dhidden = self._forward_draft(draft_ids, draft_positions, hidden if off == 0 else None, self.draft_prefill_backend, dbatch)
         dlast = dbatch.cu_seqlens_q[1:].long() - 1
-        probs, cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk)
+        cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk, params[0])
         for req, n in zip(new, lens):
             req.seq_len = n
         seq_lens = torch.tensor(lens, device=dev)
-        return DecodeState(root, seq_lens, dhidden[dlast], probs, cand)
+        return DecodeState(root, seq_lens, dhidden[dlast], *cand, *params, torch.ones_like(params[3]))
+
+    def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
+        """temperature, top_p (fp32), top_k, seed (int64), each ``[B]`` on the device."""
+        dev = self.device
+        return (
+            torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32, device=dev),
+            torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32, device=dev),
+            torch.tensor([r.sampling.top_k for r in reqs], dtype=torch.long, device=dev),
+            torch.tensor([r.sampling.seed for r in reqs], dtype=torch.long, device=dev),
+        )
 
     def _forward_target(self, ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
         backend.init_forward_metadata(batch)
@@ -207,6 +242,10 @@ class EagleWorker:
     # ----------------------------------------------------------------- step
     def step(self) -> StepStats:
         """One spec-decode iteration over every running request; finished requests leave."""
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> AcceptResult:
+        """Reserve pages and enqueue the step's device work (graph replay or eager); no host sync."""
         if not self.requests:
             raise RuntimeError("no running requests: add_requests first")
         self._reserve_pages()
@@ -217,7 +256,7 @@ class EagleWorker:
         if out is None:
             out = self.spec_pass(st, target_rows, draft_rows, host_n)
         result, self.state, self.last_tree = out
-        return self._finish_step(result)
+        return result
 
     def state_template(self, batch_size: int) -> DecodeState:
         """An (uninitialised) DecodeState of ``batch_size`` rows: the graph runner's static inputs."""
@@ -228,6 +267,11 @@ class EagleWorker:
             hidden=torch.empty(batch_size, self.target.config.hidden_size, dtype=self.dtype, device=dev),
             cand_probs=torch.empty(batch_size, k, dtype=torch.float32, device=dev),
             cand_ids=torch.empty(batch_size, k, dtype=torch.long, device=dev),
+            temperature=torch.empty(batch_size, dtype=torch.float32, device=dev),
+            top_p=torch.empty(batch_size, dtype=torch.float32, device=dev),
+            top_k=torch.empty(batch_size, dtype=torch.long, device=dev),
+            seed=torch.empty(batch_size, dtype=torch.long, device=dev),
+            counter=torch.empty(batch_size, dtype=torch.long, device=dev),
         )
 
     @staticmethod
@@ -236,8 +280,8 @@ class EagleWorker:
 
     def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(state, target rows ``[B]``, draft rows ``[B]``, host N ``[B]`` or None) of the running batch."""
-        target_rows = torch.tensor([r.target_row for r in self.requests], device=self.device)
-        draft_rows = torch.tensor([r.draft_row for r in self.requests], device=self.device)
+        target_rows = host_to_device([r.target_row for r in self.requests], self.device)
+        draft_rows = host_to_device([r.draft_row for r in self.requests], self.device)
         host_n = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32) if self._plans_on_host else None
         return self.state, target_rows, draft_rows, host_n
 
@@ -249,8 +293,8 @@ class EagleWorker:
         host_n: N per request on the host, only for backends that plan on the host.
         """
         tree = self.draft_tree(st, draft_rows, host_n)
-        target_pred, hidden = self.verify(st, tree, target_rows, host_n)
-        result = greedy_accept(tree, target_pred, self.config.num_steps)
+        logits, hidden = self.verify(st, tree, target_rows, host_n)
+        result = self.accept(st, tree, logits)
         self.commit_kv(st, result, target_rows)
         return result, self.draft_extend(st, result, hidden, draft_rows, host_n), tree
 
@@ -292,7 +336,7 @@ class EagleWorker:
                 batch.custom_mask.copy_(ancestors)
             positions = (draft_len + j - 1)[:, None].expand(-1, topk).flatten()
             out = self.draft(tree.frontier_tokens.flatten(), positions, hidden.flatten(0, 1), backend, batch)
-            probs, ids = topk_probs(self.draft.compute_logits(out), topk)
+            probs, ids = topk_probs(self.draft.compute_logits(out), topk, st.temperature.repeat_interleave(topk))
             hidden = out.view(bs, topk, -1)
             tree.grow(probs.view(bs, topk, topk), ids.view(bs, topk, topk))
         mask_buf = self.verify_backend.get_verify_buffers_to_fill_after_draft()[0]
@@ -301,16 +345,27 @@ class EagleWorker:
     def verify(
         self, st: DecodeState, tree: VerifyTree, rows: torch.Tensor, host_n: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward over the tree at kv indices N..N+ndt-1. Returns (argmax ``[B, ndt]``,
-        hidden ``[B, ndt, D]``)."""
+        """Target forward over the tree at kv indices N..N+ndt-1. Returns (logits ``[B, ndt, V]``
+        fp32, hidden ``[B, ndt, D]``)."""
         ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
         batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows,
                               st.seq_lens, ndt, st.seq_lens + ndt, mask, _plus(host_n, ndt))
         positions = (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = self._forward_target(tree.tokens.flatten(), positions, self.verify_backend, batch)
-        pred = self.target.compute_logits(hidden).argmax(-1).view(-1, ndt)
-        return pred, hidden.view(-1, ndt, hidden.shape[-1])
+        logits = self.target.compute_logits(hidden)
+        return logits.view(-1, ndt, logits.shape[-1]), hidden.view(-1, ndt, hidden.shape[-1])
+
+    def accept(self, st: DecodeState, tree: VerifyTree, logits: torch.Tensor) -> AcceptResult:
+        """Greedy verification, or tree rejection sampling when sampling is enabled (greedy rows
+        reduce to the same result there)."""
+        steps = self.config.num_steps
+        if not self.config.enable_sampling:
+            return greedy_accept(tree, logits.argmax(-1), steps)
+        ndt = logits.shape[1]
+        per_node = [t.repeat_interleave(ndt) for t in (st.temperature, st.top_p, st.top_k)]
+        probs = target_probs(logits.flatten(0, 1), *per_node).view(logits.shape)
+        return tree_rejection_sample(tree, probs, st.seed, st.counter, steps)
 
     def commit_kv(self, st: DecodeState, result: AcceptResult, rows: torch.Tensor) -> None:
         """Move the accepted path's KV rows to kv indices N..N+accept_len (trees only: a chain is in place)."""
@@ -340,10 +395,10 @@ class EagleWorker:
         out = self._forward_draft(ids.flatten(), positions, hidden_in.flatten(0, 1), self.draft_extend_backend, batch)
         dim = out.shape[-1]
         last = out.view(-1, q_len, dim).gather(1, result.accept_len[:, None, None].expand(-1, 1, dim)).squeeze(1)
-        probs, cand = topk_probs(self.draft.compute_logits(last), self.config.topk)
-        return DecodeState(result.bonus, st.seq_lens + result.accept_len + 1, last, probs, cand)
+        cand = topk_probs(self.draft.compute_logits(last), self.config.topk, st.temperature)
+        return st.advance(result.bonus, st.seq_lens + result.accept_len + 1, last, cand)
 
-    def _finish_step(self, result: AcceptResult) -> StepStats:
+    def finish_step(self, result: AcceptResult) -> StepStats:
         """The one device-to-host copy of the step; then host bookkeeping and finished requests."""
         emitted = _to_host(result.emitted)
         keep, accept_lens, total = [], [], 0
@@ -367,7 +422,7 @@ class EagleWorker:
                 self.draft_pool.trim(req.draft_row, req.seq_len + self.draft_offset)
         if len(keep) < len(self.requests):
             self.requests = [self.requests[i] for i in keep]
-            self.state = self.state.select(torch.tensor(keep, dtype=torch.long, device=self.device)) if keep else None
+            self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
         return StepStats(accept_lens, total)
 
 

@@ -14,12 +14,10 @@ from attn.paged import PagedMLABackend
 from attn.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
 from attn.torch_ref import TorchRefBackend
 from attn.trtllm_mla import TrtllmMLABackend
-from specdec.baseline import greedy_generate
 from specdec.config import SpecConfig
 from specdec.kv import KV_DTYPES
 from specdec.worker import EagleWorker
-from test_worker import prompts, run_to_completion  # noqa: F401  (fixtures below)
-from test_worker import mtp, target  # noqa: F401
+from spec_helpers import prompts, reference, run_to_completion
 
 BLACKWELL = (TrtllmMLABackend, CuteDslMLABackend, TokenspeedMLABackend)
 
@@ -54,16 +52,13 @@ def kernel_calls(monkeypatch):
         ("tokenspeed_mla", "fp8_e4m3", {"verify": "tokenspeed_mla", "draft": "tokenspeed_mla", "extend": "tokenspeed_mla"}),
     ],
 )
-def test_worker_lossless_through_the_seam(target, mtp, kernel_calls, backend, kv_dtype, expected):  # noqa: F811
+def test_worker_lossless_through_the_seam(target, mtp, kernel_calls, backend, kv_dtype, expected):
     num_steps = 3
     cfg = SpecConfig(num_steps=num_steps, attention_backend=backend, kv_dtype=kv_dtype, page_size=64, max_batch_size=4, max_context_len=256)
     worker = EagleWorker(target, mtp, cfg)
     groups = [(prompts(3, seed=21), 9), (prompts(1, seed=22), 6)]
     outputs, _ = run_to_completion(worker, groups)
-    reference = []
-    for group, max_new in groups:
-        reference += greedy_generate(target, group, max_new, page_size=64, kv_dtype=KV_DTYPES[kv_dtype])
-    assert outputs == reference
+    assert outputs == reference(target, groups, page_size=64, kv_dtype=KV_DTYPES[kv_dtype])
     # Which family served which pass: q_len 1 = draft steps, num_steps + 1 = verify and draft-extend.
     by_q = {}
     for name, q_len in kernel_calls:
@@ -74,7 +69,7 @@ def test_worker_lossless_through_the_seam(target, mtp, kernel_calls, backend, kv
     assert worker.draft_extend_backend.name == expected["extend"]
 
 
-def test_workspaces_are_isolated_and_trtllm_gen_is_zeroed(target, mtp, kernel_calls):  # noqa: F811
+def test_workspaces_are_isolated_and_trtllm_gen_is_zeroed(target, mtp, kernel_calls):
     cfg = SpecConfig(num_steps=2, attention_backend="cutedsl_mla", page_size=64, max_batch_size=2, max_context_len=128)
     worker = EagleWorker(target, mtp, cfg)
     cute = worker.verify_backend.workspace
@@ -88,14 +83,14 @@ def test_workspaces_are_isolated_and_trtllm_gen_is_zeroed(target, mtp, kernel_ca
     assert all(b.workspace.data_ptr() == cute.data_ptr() for b in worker.draft_backend.steps)
 
 
-def test_tokenspeed_workspace_sized_from_sms_and_heads(target, mtp, kernel_calls):  # noqa: F811
+def test_tokenspeed_workspace_sized_from_sms_and_heads(target, mtp, kernel_calls):
     cfg = SpecConfig(num_steps=2, attention_backend="tokenspeed_mla", kv_dtype="fp8_e4m3", page_size=64, max_batch_size=2, max_context_len=128)
     worker = EagleWorker(target, mtp, cfg)
     heads = target.attn_spec().num_heads
     assert worker.verify_backend.workspace.numel() >= tokenspeed_workspace_bytes(148, heads) == 148 * heads * 8 * 513 * 4
 
 
-def test_fp8_scales(target, kernel_calls):  # noqa: F811
+def test_fp8_scales(target, kernel_calls):
     from attn.base import LayerSpec
     from specdec.kv import MLAKVPool
 

@@ -8,59 +8,9 @@ import torch
 from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
-from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
+from specdec.models import DeepseekV3ForCausalLM
 from specdec.worker import EagleWorker
-
-VOCAB = 96
-
-
-def tiny_config(**overrides) -> DeepseekV3Config:
-    base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
-        v_head_dim=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        first_k_dense_replace=1, max_position_embeddings=512,
-    )
-    base.update(overrides)
-    return DeepseekV3Config(**base)
-
-
-@pytest.fixture(scope="module")
-def target() -> DeepseekV3ForCausalLM:
-    torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(tiny_config()).eval()
-
-
-@pytest.fixture(scope="module")
-def mtp(target) -> DeepseekMTP:
-    torch.manual_seed(1)
-    return DeepseekMTP(target.config, target=target).eval()
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-
-
-def run_to_completion(worker: EagleWorker, batches: list[tuple[list[list[int]], int]], join_every: int = 2):
-    """Add the request groups one at a time, ``join_every`` steps apart; returns outputs in order and accept lengths."""
-    reqs, accept, pending, steps = [], [], list(batches), 0
-    while pending or worker.requests:
-        if pending and steps % join_every == 0:
-            group, max_new = pending.pop(0)
-            reqs += worker.add_requests(group, max_new)
-        if worker.requests:
-            stats = worker.step()
-            accept += stats.accept_lens
-        steps += 1
-    return [r.output for r in reqs], accept
-
-
-def reference(target, groups):
-    out = []
-    for group, max_new in groups:
-        out += greedy_generate(target, group, max_new)
-    return out
+from spec_helpers import VOCAB, prompts, reference, run_to_completion, tiny_config
 
 
 @pytest.mark.parametrize("topk,num_steps,ndt", [(1, 1, 2), (1, 3, 4), (1, 5, 6), (2, 3, 6), (4, 2, 8), (3, 4, 10)])

@@ -1,0 +1,157 @@
+"""Spec-step benchmark: eager vs CUDA graphs per backend and batch size (GPU).
+
+    python benchmarks/spec_step.py --out benchmarks/spec_step.png
+
+Per backend and batch size: step time eager and with graphs, host (launch) time per step, host
+syncs per step, mean accept length, tokens/s with spec decoding (graphs where supported) and
+target-only; then graph capture time and memory. Uses the identity draft (the target as its own
+standalone draft) so every step accepts num_steps tokens and the numbers show the machinery's
+cost, not a draft model's quality. Prints a table, writes CSV and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+import warnings
+
+import torch
+
+from specdec.baseline import greedy_generate
+from specdec.config import SpecConfig
+from specdec.draft import StandaloneDraft
+from specdec.models import DeepseekV3Config, DeepseekV3ForCausalLM
+from specdec.worker import EagleWorker
+
+
+def bench_model() -> DeepseekV3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=4096, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=16, q_lora_rank=384, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=4, max_position_embeddings=4096,
+    )
+    return DeepseekV3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
+def count_syncs(fn) -> int:
+    """Host syncs ``fn`` performs, as torch's sync debug mode reports them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dict[str, float]:
+    worker.add_requests(prompts, max_new_tokens=10_000)
+    for _ in range(3):
+        worker.step()
+    torch.cuda.synchronize()
+    host, accept, emitted = 0.0, [], 0
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        result = worker.launch_step()
+        host += time.perf_counter() - t0  # launch time: the GPU runs behind
+        stats = worker.finish_step(result)
+        accept += stats.accept_lens
+        emitted += stats.num_emitted
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    syncs = count_syncs(worker.step)
+    for req in list(worker.requests):
+        worker._release(req)
+    worker.requests, worker.state = [], None
+    return {"step_ms": wall / steps * 1e3, "host_us": host / steps * 1e6, "syncs": syncs,
+            "accept": sum(accept) / len(accept), "tok_s": emitted / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", default="triton_mla,torch_ref,flashinfer_mla")
+    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--out", default="benchmarks/spec_step.png")
+    args = ap.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    target = bench_model()
+    vocab = target.config.vocab_size
+    rows = []
+    for backend in args.backends.split(","):
+        for bs in batch_sizes:
+            prompts = torch.randint(0, vocab, (bs, args.prompt_len)).tolist()
+            cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
+                             max_batch_size=bs, max_context_len=64 * ((args.prompt_len + 10_000 // 8 + 256) // 64))
+            with torch.inference_mode():
+                eager = time_steps(EagleWorker(target, StandaloneDraft(target), cfg), prompts, args.steps)
+                graph, capture_s, capture_mb = None, float("nan"), float("nan")
+                worker = EagleWorker(target, StandaloneDraft(target), cfg)
+                try:
+                    from graphs.runner import GraphRunner
+
+                    before = torch.cuda.memory_allocated()
+                    runner = GraphRunner(worker, [bs], progress=False)
+                    capture_s, capture_mb = runner.capture_seconds, (torch.cuda.memory_allocated() - before) / 2**20
+                    graph = time_steps(worker, prompts, args.steps)
+                except ValueError as err:
+                    print(f"# {backend}: no graphs ({err})")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                n_new = 32
+                greedy_generate(target, prompts, n_new, backend=backend if backend != "flashinfer_mla" else "triton_mla", page_size=64)
+                torch.cuda.synchronize()
+                base_tok_s = bs * n_new / (time.perf_counter() - t0)
+            best = graph or eager
+            rows.append({
+                "backend": backend, "batch": bs, "eager_ms": eager["step_ms"], "graph_ms": graph["step_ms"] if graph else float("nan"),
+                "speedup": eager["step_ms"] / graph["step_ms"] if graph else float("nan"),
+                "host_us": best["host_us"], "syncs": best["syncs"], "accept": best["accept"],
+                "spec_tok_s": best["tok_s"], "target_tok_s": base_tok_s, "capture_s": capture_s, "capture_MiB": capture_mb,
+            })
+            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    _report(rows, args.out)
+
+
+def _report(rows: list[dict], out: str) -> None:
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    with open(out.rsplit(".", 1)[0] + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        rs = [r for r in rows if r["backend"] == backend]
+        bss = [r["batch"] for r in rs]
+        axes[0].plot(bss, [r["eager_ms"] for r in rs], "o--", label=f"{backend} eager")
+        axes[0].plot(bss, [r["graph_ms"] for r in rs], "o-", label=f"{backend} graphs")
+        axes[1].plot(bss, [r["spec_tok_s"] for r in rs], "o-", label=f"{backend} spec")
+        axes[1].plot(bss, [r["target_tok_s"] for r in rs], "x:", label=f"{backend} target-only")
+    for ax, title in zip(axes, ("step time (ms)", "tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

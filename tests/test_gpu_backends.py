@@ -1,0 +1,86 @@
+"""Hopper backends against the torch reference, and the full worker on them (GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn.base import ForwardMode, LayerSpec
+from attn.registry import get_backend_class
+from specdec.batch import extend_batch, uniform_batch
+from specdec.config import SpecConfig
+from specdec.kv import MLAKVPool
+from specdec.worker import EagleWorker
+from spec_helpers import make_models, prompts, reference, run_to_completion
+
+pytestmark = pytest.mark.gpu
+ATOL = 2e-2  # bf16 cache and queries, fp32 accumulation
+
+
+def filled_pool(page_size=64, lens=(37, 300, 1000)):
+    pool = MLAKVPool(1, 64, page_size, 4, 1024 + page_size, torch.bfloat16, "cuda")
+    rows = [pool.alloc_request() for _ in lens]
+    for row, n in zip(rows, lens):
+        pool.ensure_capacity(row, n)
+    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, device="cuda") * 0.5)
+    return pool, rows, list(lens)
+
+
+def compare(backend_name, batch_fn, heads=16):
+    pool, rows, lens = filled_pool()
+    spec = LayerSpec(num_heads=heads, sm_scale=192**-0.5)
+    batch = batch_fn(pool, rows, lens)
+    q = torch.randn(batch.num_tokens, heads, 576, device="cuda", dtype=torch.bfloat16)
+    kv_new = torch.randn(batch.num_tokens, 576, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for name in ("torch_ref", backend_name):
+        backend = get_backend_class(name)(pool.view(), spec, 4, 8)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, kv_new, 0, batch).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+
+
+def _uniform(mode, q_len):
+    def make(pool, rows, lens):
+        rows_t = torch.tensor(rows, device="cuda")
+        start = torch.tensor(lens, device="cuda") - q_len
+        seq = torch.tensor(lens, device="cuda")
+        return uniform_batch(mode, pool.req_to_token, rows_t, start, q_len, seq, seq_lens_cpu=torch.tensor(lens, dtype=torch.int32))
+    return make
+
+
+def _extend(pool, rows, lens):
+    q_lens = [5, 40, 1]
+    return extend_batch(pool.req_to_token, rows, [n - q for n, q in zip(lens, q_lens)], q_lens)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla"])
+@pytest.mark.parametrize("mode,batch_fn", [
+    ("decode", _uniform(ForwardMode.DECODE, 1)),
+    ("verify", _uniform(ForwardMode.TARGET_VERIFY, 4)),
+    ("draft_extend", _uniform(ForwardMode.DRAFT_EXTEND, 4)),
+    ("prefill", _extend),
+])
+def test_matches_torch_ref(backend, mode, batch_fn):
+    compare(backend, batch_fn)
+
+
+@pytest.mark.parametrize("backend,topk,ndt", [("flashinfer_mla", 1, None), ("triton_mla", 1, None), ("triton_mla", 2, 6), ("triton_mla", 3, 8)])
+def test_worker_lossless(backend, topk, ndt):
+    target, mtp = make_models("cuda", torch.float32)
+    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16", page_size=16,
+                     max_batch_size=5, max_context_len=256)
+    worker = EagleWorker(target, mtp, cfg)
+    groups = [(prompts(3, seed=4), 24), (prompts(2, seed=5), 16)]
+    outputs, _ = run_to_completion(worker, groups)
+    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
+def test_blackwell_backends_refused_on_hopper(backend):
+    if torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("this is a Blackwell GPU")
+    target, mtp = make_models("cuda", torch.bfloat16)
+    cfg = SpecConfig(attention_backend=backend, kv_dtype="fp8_e4m3", page_size=64)
+    with pytest.raises(ValueError, match=f"{backend} .*needs a SM10x GPU.*backends that run here: \\['flashinfer_mla', 'torch_ref', 'triton_mla'\\]"):
+        EagleWorker(target, mtp, cfg)

@@ -1,0 +1,109 @@
+"""CUDA-graph runner: bucket selection and padding on CPU; replay == eager and losslessness on GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphs.runner import GraphRunner, StaticInputs, default_buckets, pick_bucket
+from specdec.config import SpecConfig
+from specdec.kv import PADDING_ROW
+from specdec.worker import EagleWorker
+from spec_helpers import make_models, prompts, reference, run_to_completion
+
+
+def test_buckets():
+    assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert default_buckets(6) == [1, 2, 4, 6]
+    buckets = [1, 2, 4, 8]
+    assert [pick_bucket(buckets, b) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert pick_bucket(buckets, 9) is None
+
+
+def test_static_inputs_pad_rows_harmlessly():
+    static = StaticInputs({"target_rows": torch.full((8,), 7), "seq_lens": torch.full((8,), 9), "hidden": torch.ones(8, 3)})
+    static.fill({"target_rows": torch.tensor([3, 5, 6]), "seq_lens": torch.tensor([10, 11, 12]), "hidden": torch.full((3, 3), 2.0)}, bucket=4)
+    assert static.tensors["target_rows"].tolist() == [3, 5, 6, PADDING_ROW, 7, 7, 7, 7]  # rows past the bucket are not read
+    assert static.tensors["seq_lens"].tolist()[:4] == [10, 11, 12, 0]
+    assert static.tensors["hidden"][3].eq(0).all() and static.tensors["hidden"][:3].eq(2).all()
+    assert [t.shape[0] for t in static.view(4).values()] == [4, 4, 4]
+
+
+def test_host_planning_backend_refused():
+    class FakeWorker:  # only what the runner inspects before capturing
+        config = SpecConfig()
+        verify_backend = type("B", (), {"name": "flashinfer_mla", "supports_cuda_graph": False})()
+        draft_extend_backend = verify_backend
+        draft_backend = type("M", (), {"steps": []})()
+
+    with pytest.raises(ValueError, match="flashinfer_mla.*cannot be captured"):
+        GraphRunner(FakeWorker())
+
+
+GPU_BACKENDS = ["torch_ref", "triton_mla"]
+
+
+def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4):
+    target, mtp = make_models("cuda", torch.float32)
+    cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16",
+                     page_size=16, max_batch_size=max_bs, max_context_len=256)
+    return target, EagleWorker(target, mtp, cfg)
+
+
+def _pad(live: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in live.items():
+        pad = torch.full((bucket - t.shape[0], *t.shape[1:]), PADDING_ROW if name.endswith("rows") else 0, dtype=t.dtype, device=t.device)
+        out[name] = torch.cat([t, pad])
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
+@pytest.mark.parametrize("batch", [3, 4])  # padded and exact bucket
+def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
+    target, worker = gpu_worker(backend, topk=topk, ndt=ndt)
+    runner = GraphRunner(worker, [1, 2, 4], progress=False)
+    worker.add_requests(prompts(batch, seed=batch), 20)
+    for _ in range(2):  # a couple of steps so states differ per request
+        worker.step()
+    worker._reserve_pages()
+    st, trows, drows, _ = worker.step_inputs()
+    live = {"target_rows": trows, "draft_rows": drows, **vars(st)}
+    padded = _pad(live, 4)
+    eager = worker.spec_pass(worker.state_from(padded), padded["target_rows"], padded["draft_rows"])
+    eager = [t[:batch].clone() for t in (*vars(eager[0]).values(), *vars(eager[1]).values())]
+    result, state, _ = runner.run(live)
+    graph = [*vars(result).values(), *vars(state).values()]
+    for e, g in zip(eager, graph):
+        assert torch.equal(e, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
+def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
+    target, worker = gpu_worker(backend, topk=topk, ndt=ndt, max_bs=6)
+    GraphRunner(worker, [1, 2, 4, 6], progress=False)
+    groups = [(prompts(2, seed=1), 40), (prompts(3, seed=2), 25), (prompts(1, seed=3), 30)]
+    outputs, _ = run_to_completion(worker, groups, join_every=5)
+    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
+    assert worker.target_pool.num_free_pages == worker.config.num_pages - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_whole_step_has_no_host_sync(graphs):
+    _, worker = gpu_worker("triton_mla", topk=2, ndt=6)
+    if graphs:
+        GraphRunner(worker, [1, 2, 4], progress=False)
+    worker.add_requests(prompts(3, seed=5), 30)
+    worker.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = worker.launch_step()  # pages, inputs, draft, tree, verify, accept, KV commit, draft-extend
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    worker.finish_step(result)
