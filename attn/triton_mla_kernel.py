@@ -1,0 +1,479 @@
+"""Paged MLA attention in absorbed form as Triton kernels, tuned for Hopper (SM90).
+
+MLA keeps one shared 576-wide KV row per token (512 latent dims, which are also V, plus 64 rope
+dims) for all query heads, so attention is MQA-like: a program stacks (query tokens x heads) of
+one request on the M side of its matrix products and streams tiles of BLOCK_N kv rows, gathered
+through the block table, through them once. Long sequences are cut into split-KV chunks
+(flash-decoding); a second kernel merges the chunks by their log-sum-exp. Every launch grid is a
+function of host-side sizes only (batch, heads, max_q_len, splits), all per-request metadata is
+read on the GPU, so a call never synchronises with the host and can be captured in a CUDA graph.
+
+The module imports without Triton (CPU-only installs): planning and input checks still work.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the kernel signatures below still have to be defined
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
+
+MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
+MAX_SPLITS = 128  # bounds the workspace and the reduce
+_LOG2E = 1.4426950408889634
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@dataclass(frozen=True)
+class TileShape:
+    """Rows of one program: ``block_q`` query tokens x ``block_h`` heads of one request."""
+
+    block_h: int
+    block_q: int
+
+    @property
+    def rows(self) -> int:
+        return self.block_h * self.block_q
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the attention kernel for one tile shape."""
+
+    block_n: int  # kv rows per iteration
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def tile_shape(num_heads: int, max_q_len: int) -> TileShape:
+    """Heads first (they share every query position), then query tokens, up to MAX_ROWS rows.
+
+    At least 16 rows, the smallest M of a tensor-core product; surplus rows are masked.
+    """
+    block_h = min(_next_pow2(num_heads), MAX_ROWS)
+    block_q = min(_next_pow2(max_q_len), MAX_ROWS // block_h)
+    block_q = max(block_q, 16 // block_h)
+    return TileShape(block_h=block_h, block_q=block_q)
+
+
+def num_row_blocks(num_heads: int, max_q_len: int) -> int:
+    """Programs per request and split: head blocks x query-token blocks."""
+    tile = tile_shape(num_heads, max_q_len)
+    return math.ceil(num_heads / tile.block_h) * math.ceil(max_q_len / tile.block_q)
+
+
+def min_split_len(tile: TileShape) -> int:
+    """Shortest kv chunk worth a split: its fp32 partial output (rows x 2 KB) stays at or
+    below the chunk's own kv bytes. A multiple of the tile's BLOCK_N."""
+    return max(32, 2 * tile.rows)
+
+
+def plan_num_splits(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int) -> int:
+    """Split-KV count for a launch, from static sizes only (CUDA-graph safe).
+
+    Enough splits to give every SM its resident programs (two small-tile programs, or one
+    64-row program, which needs most of the shared memory), but no split shorter than
+    min_split_len of the longest possible sequence (``max_kv_len``, e.g. block-table width x
+    page size), and at most MAX_SPLITS. Per request the kernel cuts its own length into this
+    many chunks, so short requests just leave some splits empty.
+    """
+    for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
+                        ("num_sms", num_sms)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan_num_splits: {name} must be a positive int, got {value!r}")
+    if not isinstance(max_kv_len, int) or max_kv_len < 0:
+        raise ValueError(f"plan_num_splits: max_kv_len must be a non-negative int, got {max_kv_len!r}")
+    tile = tile_shape(num_heads, max_q_len)
+    programs_per_sm = 2 if tile.rows <= 32 else 1
+    wanted = math.ceil(programs_per_sm * num_sms / (batch_size * num_row_blocks(num_heads, max_q_len)))
+    return max(1, min(wanted, math.ceil(max_kv_len / min_split_len(tile)), MAX_SPLITS))
+
+
+def select_config(tile: TileShape) -> KernelConfig:
+    """Hopper launch parameters (from benchmarks/mla_kernels.py --sweep on an H100).
+
+    16 rows: mma.sync with 4 warps, 32-row kv tiles, double-buffered. 32 rows: 64-row kv tiles
+    and 8 warps. 64 rows: wgmma; the [64, 512] fp32 accumulator needs 8 warps (128 registers a
+    thread) and 64-row kv tiles use two ~72 KB shared-memory buffers.
+    """
+    if tile.rows <= 16:
+        return KernelConfig(block_n=32, num_warps=4, num_stages=2)
+    return KernelConfig(block_n=64, num_warps=8, num_stages=2)
+
+
+@_jit
+def _attend_tile(
+    acc, m_i, l_i, q_nope, q_pe,
+    kv_ptr, bt_row_ptr, start, kv_len, page_size, stride_kv_page, stride_kv_row,
+    q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
+    BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
+    MASKED: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """One online-softmax step over kv rows [start, start + BLOCK_N) of one request.
+
+    MASKED=False is the fast path for tiles every row of the program fully sees (no bounds or
+    mask checks at all); MASKED=True applies the kv length and the causal or custom mask.
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_NOPE)
+    offs_pe = tl.arange(0, D_PE)
+    if MASKED:
+        in_range = offs_n < kv_len
+        page = tl.load(bt_row_ptr + offs_n // page_size, mask=in_range, other=0)
+    else:
+        page = tl.load(bt_row_ptr + offs_n // page_size)
+    row_ptr = kv_ptr + page.to(tl.int64) * stride_kv_page + (offs_n % page_size).to(tl.int64) * stride_kv_row
+    if MASKED:
+        k_nope = tl.load(row_ptr[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        k_pe = tl.load(row_ptr[:, None] + D_NOPE + offs_pe[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k_nope = tl.load(row_ptr[:, None] + offs_d[None, :])
+        k_pe = tl.load(row_ptr[:, None] + D_NOPE + offs_pe[None, :])
+    # An fp8 cache is widened to the query dtype; its scale is folded into qk_scale / v_scale.
+    k_nope = k_nope.to(q_nope.dtype)
+    k_pe = k_pe.to(q_pe.dtype)
+
+    qk = tl.dot(q_nope, tl.trans(k_nope))
+    qk = tl.dot(q_pe, tl.trans(k_pe), qk)
+    qk = qk * qk_scale  # log2 domain
+    if MASKED:
+        if HAS_MASK:
+            rel = offs_n - mask_start
+            in_region = rel >= 0
+            bits = tl.load(
+                mask_rows_ptr[:, None] + rel[None, :],
+                mask=row_valid[:, None] & (in_region & in_range)[None, :],
+                other=0,
+            )
+            visible = in_range[None, :] & ((~in_region)[None, :] | (bits != 0))
+        else:
+            visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet stays 0
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # Always true. For 16/32-row tiles (mma.sync) the nested region hides the QK product from
+    # the PV product, so Triton does not lay them out as a chained pair with every warp on the
+    # M axis (which replicates both products in every warp); each splits its N axis over the
+    # warps instead. 64-row (wgmma) tiles keep the chained layout either way.
+    if kv_len >= 0:
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc)
+    return acc, m_new, l_i
+
+
+@_jit
+def _mla_attention_kernel(
+    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, o_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kv_page, stride_kv_row, stride_bt, stride_mb, stride_mq,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    page_size, num_splits, mask_len, qk_scale, v_scale,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
+    HAS_MASK: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """Grid (head blocks x query blocks, splits, batch). One program: BLOCK_Q query tokens x
+    BLOCK_H heads of request b over the kv chunk of split s.
+
+    DIRECT (one split): writes the normalised output [T, H, 512]. Otherwise writes the normalised
+    partial output [T, H, S, 512] fp32 and its log2-sum-exp [T, H, S] (-inf: saw nothing).
+    """
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    q_block = pid_m // num_h_blocks
+    h_block = pid_m % num_h_blocks
+
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    kv_len = tl.load(seq_lens_ptr + b)
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    q_idx = q_block * BLOCK_Q + rows // BLOCK_H
+    head = h_block * BLOCK_H + rows % BLOCK_H
+    row_valid = (q_idx < q_len) & (head < NUM_HEADS)
+    token = (q_start + q_idx).to(tl.int64)
+    q_pos = kv_len - q_len + q_idx  # kv index of each row's query token
+
+    offs_d = tl.arange(0, D_NOPE)
+    offs_pe = tl.arange(0, D_PE)
+    q_row_ptr = q_ptr + token * stride_qt + head * stride_qh
+    q_nope = tl.load(q_row_ptr[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q_pe = tl.load(q_row_ptr[:, None] + D_NOPE + offs_pe[None, :], mask=row_valid[:, None], other=0.0)
+
+    # This split's chunk of the request, cut to what the program's rows can see. Rows of one
+    # program all see kv [0, full_end) (no mask work there) and nothing at or past `hi`.
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    first_q = q_block * BLOCK_Q
+    if HAS_MASK:
+        full_end = kv_len - mask_len
+    else:
+        last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
+        hi = tl.minimum(hi, kv_len - q_len + last_q + 1)
+        full_end = kv_len - q_len + first_q + 1
+    hi = tl.where(first_q < q_len, hi, lo)  # no valid rows: no work
+    mid = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
+
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
+    mask_rows_ptr = mask_ptr + b.to(tl.int64) * stride_mb + q_idx.to(tl.int64) * stride_mq
+    mask_start = kv_len - mask_len
+
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, D_NOPE], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
+    for start in range(lo, mid, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row_ptr, start, kv_len, page_size,
+            stride_kv_page, stride_kv_row, q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
+            BLOCK_N, D_NOPE, D_PE, False, HAS_MASK,
+        )
+    for start in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row_ptr, start, kv_len, page_size,
+            stride_kv_page, stride_kv_row, q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
+            BLOCK_N, D_NOPE, D_PE, True, HAS_MASK,
+        )
+
+    # A row that saw nothing has acc == 0 and l == 0: it outputs exactly 0.
+    saw_any = l_i > 0
+    o = acc * (v_scale / tl.where(saw_any, l_i, 1.0))[:, None]
+    o_row_ptr = o_ptr + token * stride_ot + head * stride_oh
+    if DIRECT:
+        tl.store(o_row_ptr[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        tl.store(o_row_ptr[:, None] + split * stride_os + offs_d[None, :], o, mask=row_valid[:, None])
+        lse = tl.where(saw_any, m_i + tl.math.log2(tl.where(saw_any, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid)
+
+
+@_jit
+def _mla_reduce_kernel(
+    o_part_ptr, lse_ptr, out_ptr, cu_q_ptr, batch_size, num_splits,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+    SPLITS_P2: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (tokens, heads, 512 / BLOCK_D): merge one row's split partials by their lse.
+
+    Tokens past cu_seqlens_q[B] belong to no request and are left untouched.
+    """
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d_block = tl.program_id(2)
+    if t < tl.load(cu_q_ptr + batch_size):
+        t64 = t.to(tl.int64)
+        lse_row_ptr = lse_ptr + t64 * stride_lt + h * stride_lh
+        all_splits = tl.arange(0, SPLITS_P2)
+        lse_all = tl.load(lse_row_ptr + all_splits, mask=all_splits < num_splits, other=float("-inf"))
+        m = tl.max(lse_all, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        denom = tl.sum(tl.math.exp2(lse_all - m), 0)
+
+        offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_s = tl.arange(0, SPLIT_BLOCK)
+        part_row_ptr = o_part_ptr + t64 * stride_pt + h * stride_ph
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            s = s0 + offs_s
+            lse = tl.load(lse_row_ptr + s, mask=s < num_splits, other=float("-inf"))
+            seen = lse > float("-inf")  # empty splits wrote no partial: never read it
+            part = tl.load(part_row_ptr + s[:, None] * stride_ps + offs_d[None, :], mask=seen[:, None], other=0.0)
+            acc += tl.sum(part * tl.math.exp2(lse - m)[:, None], 0)
+        o = acc / tl.where(denom > 0, denom, 1.0)
+        tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the Triton interpreter
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"mla_paged_attention: {message}")
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_q_len: int,
+    custom_mask: torch.Tensor | None,
+    out: torch.Tensor | None,
+    num_splits: int | None,
+) -> None:
+    """Shape, dtype, layout and device checks; reads no GPU value."""
+    _expect(q.dim() == 3 and q.shape[2] == KV_DIM, f"q must be [T, H, {KV_DIM}], got {tuple(q.shape)}")
+    _expect(q.dtype in (torch.bfloat16, torch.float16), f"q must be bfloat16 or float16, got {q.dtype}")
+    _expect(q.stride(2) == 1, f"q's last dim must be contiguous, got strides {q.stride()}")
+    _expect(kv_cache.dim() == 3 and kv_cache.shape[2] == KV_DIM and kv_cache.shape[1] >= 1,
+            f"kv_cache must be [num_pages, page_size, {KV_DIM}], got {tuple(kv_cache.shape)}")
+    _expect(kv_cache.dtype in (q.dtype, torch.float8_e4m3fn),
+            f"kv_cache dtype must be q's ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
+    _expect(kv_cache.stride(2) == 1, f"kv_cache's last dim must be contiguous, got strides {kv_cache.stride()}")
+    _expect(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
+            f"block_tables must be [B, max_pages] int32, got {tuple(block_tables.shape)} {block_tables.dtype}")
+    batch_size = block_tables.shape[0]
+    _expect(block_tables.stride(1) == 1 or block_tables.shape[1] <= 1,
+            f"block_tables' last dim must be contiguous, got strides {block_tables.stride()}")
+    _expect(seq_lens.shape == (batch_size,) and seq_lens.dtype == torch.int32,
+            f"seq_lens must be [B={batch_size}] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    _expect(cu_seqlens_q.shape == (batch_size + 1,) and cu_seqlens_q.dtype == torch.int32,
+            f"cu_seqlens_q must be [B+1={batch_size + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+    _expect(seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous(), "seq_lens and cu_seqlens_q must be contiguous")
+    _expect(isinstance(max_q_len, int) and max_q_len >= 1, f"max_q_len must be a positive int, got {max_q_len!r}")
+    if custom_mask is not None:
+        _expect(custom_mask.dtype == torch.bool, f"custom_mask must be bool, got {custom_mask.dtype}")
+        _expect(custom_mask.dim() == 3 and custom_mask.shape[:2] == (batch_size, max_q_len) and custom_mask.shape[2] >= 1,
+                f"custom_mask must be [B={batch_size}, max_q_len={max_q_len}, M>=1], got {tuple(custom_mask.shape)}")
+        _expect(custom_mask.stride(2) == 1, f"custom_mask's last dim must be contiguous, got strides {custom_mask.stride()}")
+    expected_out = (q.shape[0], q.shape[1], KV_LORA_RANK)
+    if out is not None:
+        _expect(out.shape == expected_out and out.dtype == q.dtype,
+                f"out must be {list(expected_out)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        _expect(out.stride(2) == 1, f"out's last dim must be contiguous, got strides {out.stride()}")
+    if num_splits is not None:
+        _expect(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
+                f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    tensors = [q, kv_cache, block_tables, seq_lens, cu_seqlens_q, custom_mask, out]
+    devices = {t.device for t in tensors if t is not None}
+    _expect(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def mla_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_q_len: int,
+    sm_scale: float,
+    custom_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of packed absorbed MLA queries over a paged latent cache.
+
+    q: [T, H, 576] bf16/fp16 (512 latent + 64 rope dims), requests packed by cu_seqlens_q.
+    kv_cache: [num_pages, page_size, 576], q's dtype or float8_e4m3fn (dequantised by kv_scale);
+        K is the whole row, V its first 512 dims.
+    block_tables: [B, max_pages] int32; entries past a request's length are never read.
+    seq_lens: [B] int32 kv length including the request's new tokens (already in the cache).
+    cu_seqlens_q: [B + 1] int32 query offsets; query i of request b sits at kv index
+        seq_lens[b] - q_len_b + i. q_len_b <= max_q_len (a static host bound).
+    custom_mask: [B, max_q_len, M] bool or None (causal). With a mask, kv indices before
+        seq_lens[b] - M are visible and index j after that iff custom_mask[b, i, j - (seq_lens[b] - M)].
+    out: [T, H, 512] in q's dtype, written in place if given.
+    num_splits: split-KV count override (default: plan_num_splits from static sizes).
+
+    Returns out [T, H, 512]. Softmax is fp32 with scale sm_scale; a query that sees no key
+    (e.g. seq_lens 0 padding) outputs 0. Rows past cu_seqlens_q[B] are not written. Never
+    synchronises with the host; the launch grid depends only on shapes, so it is graph-safe.
+    """
+    _check_inputs(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask, out, num_splits)
+    if triton is None:
+        raise RuntimeError("mla_paged_attention needs Triton, which is not installed")
+    num_tokens, num_heads, _ = q.shape
+    batch_size = block_tables.shape[0]
+    page_size = kv_cache.shape[1]
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads, KV_LORA_RANK)
+    if num_tokens == 0 or batch_size == 0:
+        return out
+    if num_splits is None:
+        max_kv_len = min(block_tables.shape[1], kv_cache.shape[0]) * page_size
+        num_splits = plan_num_splits(batch_size, num_heads, max_q_len, max_kv_len, _num_sms(q.device))
+    tile = tile_shape(num_heads, max_q_len)
+    _launch(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, sm_scale, custom_mask, out,
+            kv_scale, num_splits, tile, select_config(tile), min_split_len(tile))
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_q_len: int,
+    sm_scale: float,
+    custom_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    kv_scale: float,
+    num_splits: int,
+    tile: TileShape,
+    config: KernelConfig,
+    min_chunk: int,
+) -> None:
+    """Launch the attention (and, with several splits, the reduce) kernel on checked inputs.
+
+    A request's kv is cut into num_splits chunks of at least min_chunk (a multiple of BLOCK_N).
+    """
+    num_tokens, num_heads, _ = q.shape
+    batch_size = block_tables.shape[0]
+    direct = num_splits == 1
+    if direct:
+        o_part, lse = out, out.new_empty(0, 0, dtype=torch.float32)
+        o_strides = (out.stride(0), out.stride(1), 0)
+    else:
+        o_part = q.new_empty(num_tokens, num_heads, num_splits, KV_LORA_RANK, dtype=torch.float32)
+        lse = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+        o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
+    has_mask = custom_mask is not None
+    mask = custom_mask.view(torch.uint8) if has_mask else seq_lens  # placeholder pointer, never read
+    mask_strides = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
+    # Scores in the log2 domain; the fp8 scale multiplies K (here) and V (in the output scale).
+    qk_scale = sm_scale * kv_scale * _LOG2E
+    grid = (num_row_blocks(num_heads, max_q_len), num_splits, batch_size)
+    _mla_attention_kernel[grid](
+        q, kv_cache, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *mask_strides,
+        *o_strides, lse.stride(0) if not direct else 0, lse.stride(1) if not direct else 0,
+        kv_cache.shape[1], num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale,
+        NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q, BLOCK_N=config.block_n,
+        MIN_CHUNK=min_chunk, D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM,
+        HAS_MASK=has_mask, DIRECT=direct,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if direct:
+        return
+    # Tiles of ~4096 partial values: all splits in one load up to 64 splits (narrower row slices
+    # as splits grow, so more programs share the work); at most two loads beyond that.
+    splits_p2 = _next_pow2(num_splits)
+    block_d = max(64, min(KV_LORA_RANK, 4096 // splits_p2))
+    split_block = min(splits_p2, 4096 // block_d)
+    _mla_reduce_kernel[(num_tokens, num_heads, KV_LORA_RANK // block_d)](
+        o_part, lse, out, cu_seqlens_q, batch_size, num_splits,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        SPLITS_P2=splits_p2, SPLIT_BLOCK=split_block, BLOCK_D=block_d,
+        num_warps=4,
+    )

@@ -1,0 +1,285 @@
+"""Paged MLA attention kernel benchmark: Triton kernel vs FlashInfer FA3 on one GPU.
+
+Every call is timed inside a CUDA graph (captured once, replayed many times, timed with CUDA
+events). The KV cache is rotated between several copies so that small cases do not run from
+L2. Roofline = max(KV bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) with
+KV bytes = tokens * 576 * 2 and FLOPs = tokens * heads * q_len * 1088 * 2.
+
+    python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep]
+
+Prints a table, writes it as CSV next to the PNG. --sweep also times alternative launch
+configurations and split counts of the Triton kernel (for retuning select_config/plan_num_splits).
+"""
+
+import argparse
+import csv
+import itertools
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from attn.triton_mla_kernel import KernelConfig, _launch, mla_paged_attention, plan_num_splits, tile_shape
+
+PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
+PAGE_SIZE = 64
+ROTATE_BYTES = 256 << 20  # rotate KV copies until this many bytes are touched per graph
+SM_SCALE = 192 ** -0.5
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * num_bytes / statistics.median(times)
+
+
+def graph_time_us(calls: list, min_calls: int = 200) -> float:
+    """Median microseconds per call of `calls` (closures) captured back to back in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    replays = max(3, math.ceil(min_calls / len(calls)))
+    samples = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    del graph
+    return statistics.median(samples)
+
+
+class Case:
+    """Inputs of one shape: uniform requests, page size 64, shuffled pages, rotated KV copies."""
+
+    def __init__(self, batch: int, seq_len: int, q_len: int, heads: int):
+        self.batch, self.seq_len, self.q_len, self.heads = batch, seq_len, q_len, heads
+        pages_per_req = math.ceil(seq_len / PAGE_SIZE)
+        num_pages = batch * pages_per_req
+        copy_bytes = num_pages * PAGE_SIZE * 576 * 2
+        self.rotations = max(1, min(64, ROTATE_BYTES // copy_bytes))
+        self.kv_pool = torch.randn(self.rotations, num_pages, PAGE_SIZE, 576, device="cuda").to(torch.bfloat16)
+        pages = torch.randperm(num_pages, device="cuda").to(torch.int32)
+        self.block_tables = pages.view(batch, pages_per_req)
+        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+        self.cu_seqlens_q = (torch.arange(batch + 1, device="cuda") * q_len).to(torch.int32)
+        self.kv_indptr = (torch.arange(batch + 1, device="cuda") * pages_per_req).to(torch.int32)
+        self.q = torch.randn(batch * q_len, heads, 576, device="cuda").to(torch.bfloat16)
+        self.out = torch.empty(batch * q_len, heads, 512, device="cuda", dtype=torch.bfloat16)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.batch * self.seq_len * 576 * 2
+
+    @property
+    def flops(self) -> int:
+        return self.batch * self.seq_len * self.heads * self.q_len * 1088 * 2
+
+    def triton_call(self, rotation: int):
+        return lambda: mla_paged_attention(
+            self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
+            SM_SCALE, out=self.out)
+
+    def launch_call(self, rotation: int, num_splits: int, config: KernelConfig):
+        """Exactly num_splits chunks (min chunk = one tile) with the given launch config."""
+        tile = tile_shape(self.heads, self.q_len)
+        return lambda: _launch(
+            self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
+            SM_SCALE, None, self.out, 1.0, num_splits, tile, config, config.block_n)
+
+
+def fa3_calls(case: Case):
+    """FA3 run() closures over the rotated caches (plan once, outside any graph), or None."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    indptr, indices = case.kv_indptr.clone(), case.block_tables.flatten().clone()
+    wrapper = BatchMLAPagedAttentionWrapper(
+        workspace, use_cuda_graph=True, qo_indptr=case.cu_seqlens_q.clone(), kv_indptr=indptr,
+        kv_indices=indices, kv_len_arr=case.seq_lens.clone(), backend="fa3")
+    wrapper.plan(
+        metadata=MLAPlanMetadata.csr(case.cu_seqlens_q, case.kv_indptr, case.block_tables.flatten(), case.seq_lens),
+        num_heads=case.heads, head_dim_ckv=512, head_dim_kpe=64, page_size=PAGE_SIZE, causal=case.q_len > 1,
+        sm_scale=SM_SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    out = torch.empty_like(case.out)
+    calls = [lambda r=r: wrapper.run(query=case.q, kv_cache=case.kv_pool[r], out=out)
+             for r in range(case.rotations)]
+    calls[0]()
+    return calls, out, wrapper
+
+
+def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
+    ours_calls = [case.triton_call(r) for r in range(case.rotations)]
+    ours_calls[0]()
+    ours = case.out.clone()
+    ours_us = graph_time_us(ours_calls)
+    roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
+    row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
+               splits=plan_num_splits(case.batch, case.heads, case.q_len, case.block_tables.shape[1] * PAGE_SIZE,
+                                      torch.cuda.get_device_properties(0).multi_processor_count),
+               triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
+               frac_roofline=roof_us / ours_us, fa3_us=float("nan"), fa3_frac=float("nan"),
+               speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))
+    if with_fa3:
+        try:
+            calls, fa3_out, _wrapper = fa3_calls(case)
+            row["max_diff_vs_fa3"] = (fa3_out.float() - ours.float()).abs().max().item()
+            row["fa3_us"] = graph_time_us(calls)
+        except Exception as error:  # keep the Triton numbers; say why FA3 has none
+            print(f"FA3 failed: {type(error).__name__}: {error}")
+            return row
+        row["fa3_frac"] = roof_us / row["fa3_us"]
+        row["speedup_vs_fa3"] = row["fa3_us"] / ours_us
+    return row
+
+
+COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads", "{:>5}"), ("splits", "{:>6}"),
+           ("triton_us", "{:>9.1f}"), ("gb_s", "{:>7.0f}"), ("roofline_us", "{:>11.1f}"),
+           ("frac_roofline", "{:>13.2f}"), ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.2f}"),
+           ("speedup_vs_fa3", "{:>14.2f}"), ("max_diff_vs_fa3", "{:>15.4f}")]
+
+
+def print_row(row: dict | None) -> None:
+    if row is None:
+        print(" ".join(f"{name:>{len(fmt.format(0))}}" for name, fmt in COLUMNS))
+        return
+    print(" ".join(fmt.format(row[name]) for name, fmt in COLUMNS), flush=True)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"b{r['batch']} s{r['seq_len'] // 1024}k q{r['q_len']} h{r['heads']}" for r in rows]
+    x = range(len(rows))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(12, len(rows) * 0.35), 9), sharex=True)
+    top.bar([i - 0.2 for i in x], [r["frac_roofline"] for r in rows], width=0.4, label="Triton")
+    top.bar([i + 0.2 for i in x], [r["fa3_frac"] for r in rows], width=0.4, label="FlashInfer FA3")
+    top.axhline(0.8, color="gray", linestyle="--", linewidth=0.8)
+    top.set_ylabel("fraction of roofline")
+    top.legend()
+    bottom.bar(list(x), [r["speedup_vs_fa3"] for r in rows], color="tab:green")
+    for level in (0.9, 1.0, 2.0):
+        bottom.axhline(level, color="gray", linestyle="--", linewidth=0.8)
+    bottom.set_ylabel("speedup vs FA3 (FA3 us / Triton us)")
+    bottom.set_xticks(list(x))
+    bottom.set_xticklabels(labels, rotation=90, fontsize=7)
+    fig.suptitle(f"Paged MLA attention, page {PAGE_SIZE}, bf16, CUDA graphs ({torch.cuda.get_device_name()})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+SWEEP = [  # (batch, seq_len, q_len, heads), split counts, (block_n, num_warps, num_stages)
+    ((1, 1024, 1, 16), [16, 32], [(32, 4, 2), (32, 8, 2)]),
+    ((1, 16384, 1, 16), [64, 128], [(32, 4, 2), (64, 8, 2)]),
+    ((8, 4096, 1, 16), [16, 32], [(32, 4, 2), (64, 4, 2)]),
+    ((128, 4096, 1, 16), [1, 2], [(32, 4, 2), (64, 4, 2)]),
+    ((8, 4096, 2, 16), [8, 16], [(32, 8, 2), (64, 8, 2)]),
+    ((1, 16384, 1, 128), [32, 64, 128], [(64, 8, 2)]),
+]
+
+
+def sweep(bandwidth: float) -> None:
+    """Time split counts x launch configs of the Triton kernel on a few shapes (for retuning)."""
+    print("\nsweep: shape, num_splits, config -> us (fraction of roofline)")
+    for shape, splits_options, configs in SWEEP:
+        case = Case(*shape)
+        tile = tile_shape(case.heads, case.q_len)
+        roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
+        for num_splits, (block_n, warps, stages) in itertools.product(splits_options, configs):
+            config = KernelConfig(block_n, warps, stages)
+            try:
+                us = graph_time_us([case.launch_call(r, num_splits, config) for r in range(case.rotations)])
+                result = f"{us:8.1f} us ({roof_us / us:.2f})"
+            except Exception as error:  # an oversized config fails to compile: report and go on
+                result = f"failed: {type(error).__name__}: {str(error)[:80]}"
+            print(f"{shape} splits={num_splits:<3} n{block_n} w{warps} s{stages}: {result}", flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+
+def profile() -> None:
+    """Eager calls of the default path on a few shapes, to run under ncu."""
+    for shape in [(1, 1024, 1, 16), (1, 16384, 1, 16), (8, 4096, 1, 16), (32, 4096, 4, 128)]:
+        case = Case(*shape)
+        for _ in range(2):
+            case.triton_call(0)()
+        torch.cuda.synchronize()
+        del case
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/mla_kernels.png"))
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
+    parser.add_argument("--profile", action="store_true", help="only run a few shapes eagerly (for ncu)")
+    args = parser.parse_args()
+    if args.profile:
+        profile()
+        return
+
+    bandwidth = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    try:
+        import flashinfer.mla  # noqa: F401
+
+        with_fa3 = True
+    except ImportError as error:
+        with_fa3 = False
+        print(f"note: flashinfer not importable ({error}); FA3 columns are empty")
+    if args.sweep:
+        sweep(bandwidth)
+
+    if args.quick:
+        shapes = [(1, 1024, 1, 16), (1, 16384, 1, 16), (128, 16384, 1, 16), (32, 4096, 4, 128)]
+    else:
+        shapes = [(b, s, q, h) for b, s, q, h in itertools.product([1, 8, 32, 128], [1024, 4096, 16384], [1, 4],
+                                                                   [16, 128])]
+    rows = []
+    print()
+    print_row(None)
+    for shape in shapes:
+        case = Case(*shape)
+        rows.append(bench_case(case, bandwidth, with_fa3))
+        print_row(rows[-1])
+        del case
+        torch.cuda.empty_cache()
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[name for name, _ in COLUMNS])
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, args.out)
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.csv')}")
+
+
+if __name__ == "__main__":
+    main()

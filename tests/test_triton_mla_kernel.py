@@ -1,0 +1,359 @@
+"""Tests of the Triton paged MLA kernel (attn/triton_mla_kernel.py).
+
+CPU: split planning, tile shapes and argument checks; the kernel itself under the Triton
+interpreter when Triton is installed. GPU (marked ``gpu``): the kernel against a plain-torch
+reference for every use case, CUDA-graph replay and the absence of host synchronisation.
+Tolerance: bf16 output vs an fp32 reference, atol = rtol = 2e-2.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn.triton_mla_kernel import (
+    MAX_SPLITS,
+    min_split_len,
+    mla_paged_attention,
+    num_row_blocks,
+    plan_num_splits,
+    select_config,
+    tile_shape,
+)
+
+D, DV = 576, 512
+SM_SCALE = 192 ** -0.5
+ATOL = RTOL = 2e-2
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu(test):
+    return pytest.mark.gpu(requires_cuda(test))
+
+
+def reference(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, sm_scale, custom_mask=None, kv_scale=1.0):
+    """Loop over requests in fp32: the exact semantics of the contract. Returns [T, H, 512] fp32."""
+    q, kv_cache, block_tables = q.cpu().float(), kv_cache.cpu().float() * kv_scale, block_tables.cpu()
+    seq_lens, cu = seq_lens.cpu().tolist(), cu_seqlens_q.cpu().tolist()
+    page_size = kv_cache.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], DV)
+    for b, kv_len in enumerate(seq_lens):
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 0:
+            continue
+        idx = torch.arange(kv_len)
+        kv = kv_cache[block_tables[b, idx // page_size].long(), idx % page_size]  # [L, 576]
+        if custom_mask is None:
+            pos = kv_len - q_len + torch.arange(q_len)
+            visible = idx[None, :] <= pos[:, None]
+        else:
+            start = kv_len - custom_mask.shape[2]
+            bits = custom_mask.cpu()[b, :q_len][:, (idx - start).clamp(min=0)]
+            visible = (idx[None, :] < start) | ((idx[None, :] >= start) & bits)
+        scores = torch.einsum("ihd,jd->ihj", q[cu[b]:cu[b + 1]], kv) * sm_scale
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[cu[b]:cu[b + 1]] = torch.einsum("ihj,jd->ihd", probs, kv[:, :DV])
+    return out
+
+
+def make_inputs(seq_lens, q_lens, num_heads, page_size, device, kv_dtype=torch.bfloat16, max_q_len=None,
+                extra_pages=3, gen=None, q_dtype=torch.bfloat16):
+    """Random queries and a shuffled paged cache; table entries past each length are garbage."""
+    gen = gen or torch.Generator().manual_seed(0)
+    batch = len(seq_lens)
+    pages_per_req = [-(-n // page_size) for n in seq_lens]
+    max_pages = max(max(pages_per_req, default=0), 1) + extra_pages
+    num_pages = sum(pages_per_req) + 4
+    perm = torch.randperm(num_pages, generator=gen)
+    block_tables = torch.randint(0, num_pages, (batch, max_pages), generator=gen, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_req):
+        block_tables[b, :n] = perm[used:used + n]
+        used += n
+    kv = torch.randn(num_pages, page_size, D, generator=gen)
+    kv_cache = kv.to(kv_dtype)
+    tokens = sum(q_lens)
+    q = torch.randn(tokens, num_heads, D, generator=gen).to(q_dtype)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    args = dict(q=q, kv_cache=kv_cache, block_tables=block_tables,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), cu_seqlens_q=cu)
+    args = {k: v.to(device) for k, v in args.items()}
+    return args, (max_q_len or max(max(q_lens), 1))
+
+
+def random_mask(batch, max_q_len, mask_len, gen, device):
+    return (torch.rand(batch, max_q_len, mask_len, generator=gen) < 0.5).to(device)
+
+
+def check(args, max_q_len, custom_mask=None, kv_scale=1.0, num_splits=None):
+    out = mla_paged_attention(**args, max_q_len=max_q_len, sm_scale=SM_SCALE, custom_mask=custom_mask,
+                              kv_scale=kv_scale, num_splits=num_splits)
+    ref = reference(args["q"], args["kv_cache"], args["block_tables"], args["seq_lens"], args["cu_seqlens_q"],
+                    SM_SCALE, custom_mask, kv_scale)
+    got = out.float().cpu()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+    return got
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_tile_shape_fills_m_with_heads_then_tokens():
+    assert tile_shape(16, 1).rows == 16
+    assert (tile_shape(16, 4).block_h, tile_shape(16, 4).block_q) == (16, 4)
+    assert (tile_shape(128, 4).block_h, tile_shape(128, 4).block_q) == (64, 1)
+    assert tile_shape(8, 1).rows == 16  # at least one tensor-core M tile
+    assert num_row_blocks(128, 4) == 8
+    assert num_row_blocks(16, 300) == 75
+    assert all(tile_shape(h, q).rows <= 64 for h in (1, 8, 16, 20, 64, 128) for q in (1, 3, 8, 200))
+
+
+def test_min_split_len_keeps_partials_no_larger_than_their_kv():
+    assert min_split_len(tile_shape(16, 1)) == 32
+    assert min_split_len(tile_shape(16, 2)) == 64
+    assert min_split_len(tile_shape(128, 4)) == 128
+    for heads, q_len in ((16, 1), (16, 4), (128, 1), (8, 3)):
+        tile = tile_shape(heads, q_len)
+        assert min_split_len(tile) % select_config(tile).block_n == 0
+        assert tile.rows * DV * 4 <= min_split_len(tile) * D * 2
+
+
+def test_plan_num_splits():
+    # Batch 1 decode, 16 heads: two programs per SM, up to MAX_SPLITS.
+    assert plan_num_splits(1, 16, 1, 16384, 132) == MAX_SPLITS
+    # Short sequences are never split below min_split_len.
+    assert plan_num_splits(1, 16, 1, 1024, 132) == 1024 // 32
+    assert plan_num_splits(1, 16, 1, 100, 132) == 4
+    assert plan_num_splits(1, 16, 1, 0, 132) == 1
+    # 64-row tiles fill the shared memory: one program per SM.
+    assert plan_num_splits(1, 128, 1, 16384, 132) == 66
+    assert plan_num_splits(8, 128, 4, 16384, 132) == 3  # 64 programs
+    # Enough programs already: no split.
+    assert plan_num_splits(128, 128, 4, 16384, 132) == 1
+    assert plan_num_splits(264, 16, 1, 16384, 132) == 1
+    assert plan_num_splits(64, 16, 1, 16384, 132) == 5
+
+
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
+                                 dict(num_sms=0)])
+def test_plan_num_splits_rejects_bad_sizes(bad):
+    sizes = dict(batch_size=1, num_heads=16, max_q_len=1, max_kv_len=1024, num_sms=132) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        plan_num_splits(**sizes)
+
+
+def _valid_args():
+    args, _ = make_inputs([5, 3], [1, 1], 16, 4, "cpu")
+    return dict(args, max_q_len=1, sm_scale=SM_SCALE)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(q=a["q"][..., :512]), r"q must be \[T, H, 576\]"),
+        (lambda a: a.update(q=a["q"].float()), "q must be bfloat16 or float16"),
+        (lambda a: a.update(kv_cache=a["kv_cache"].half()), "kv_cache dtype must be q's"),
+        (lambda a: a.update(kv_cache=a["kv_cache"][:, :, :512]), "kv_cache must be"),
+        (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must be"),
+        (lambda a: a.update(seq_lens=a["seq_lens"][:1]), r"seq_lens must be \[B=2\]"),
+        (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q must be"),
+        (lambda a: a.update(max_q_len=0), "max_q_len must be a positive int"),
+        (lambda a: a.update(custom_mask=torch.ones(2, 1, 4, dtype=torch.int32)), "custom_mask must be bool"),
+        (lambda a: a.update(custom_mask=torch.ones(2, 2, 4, dtype=torch.bool)), r"custom_mask must be \[B=2"),
+        (lambda a: a.update(out=torch.empty(2, 16, 576, dtype=torch.bfloat16)), r"out must be \[2, 16, 512\]"),
+        (lambda a: a.update(num_splits=0), "num_splits must be"),
+        (lambda a: a.update(num_splits=MAX_SPLITS + 1), "num_splits must be"),
+    ],
+)
+def test_argument_checks(change, message):
+    args = _valid_args()
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        mla_paged_attention(**args)
+
+
+def test_reference_matches_dense_softmax():
+    """The test's own reference on a trivial case: one request, page size 1, identity table."""
+    gen = torch.Generator().manual_seed(1)
+    args, _ = make_inputs([6], [2], 2, 1, "cpu", gen=gen)
+    got = reference(args["q"], args["kv_cache"], args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], 0.1)
+    kv = args["kv_cache"][args["block_tables"][0, :6].long(), 0].float()
+    for i, pos in enumerate((4, 5)):
+        probs = torch.softmax(args["q"][i].float() @ kv[: pos + 1].T * 0.1, dim=-1)
+        torch.testing.assert_close(got[i], probs @ kv[: pos + 1, :DV])
+
+
+_INTERPRETED = """
+import torch
+import triton.runtime.interpreter as interpreter
+
+# The interpreter turns loaded scalars into 1-element arrays, which NumPy 2 refuses as loop bounds.
+_patch = interpreter._patch_lang_tensor
+def _patch_index(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patch_index
+
+from tests.test_triton_mla_kernel import check, make_inputs, random_mask
+
+# fp16: the interpreter mishandles bf16 (garbage results where the GPU is right).
+half = dict(kv_dtype=torch.float16, q_dtype=torch.float16)
+gen = torch.Generator().manual_seed(3)
+args, q = make_inputs([300, 0, 9, 1], [2, 1, 3, 0], 16, 4, "cpu", gen=gen, **half)
+check(args, q)
+check(args, q, num_splits=3)
+check(args, q, custom_mask=random_mask(4, q, 3, gen, "cpu"), num_splits=2)
+args, q = make_inputs([40, 7], [4, 4], 8, 1, "cpu", gen=gen, **half)
+check(args, q, custom_mask=random_mask(2, q, 9, gen, "cpu"))
+print("ok")
+"""
+
+
+def test_kernel_under_triton_interpreter():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{root}{os.pathsep}"
+               + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@gpu
+def test_decode(num_heads, page_size, num_splits):
+    args, q = make_inputs([1, 700, 0, 129, 2048], [1] * 5, num_heads, page_size, "cuda")
+    got = check(args, q, num_splits=num_splits)
+    assert (got[2] == 0).all()  # seq_len 0 padding row
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("q_len", [4, 8])
+@gpu
+def test_verify_causal(num_heads, q_len):
+    args, q = make_inputs([q_len, 300, 1000, 5000], [q_len] * 4, num_heads, 64, "cuda")
+    check(args, q)
+    check(args, q, num_splits=1)
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 64])
+@gpu
+def test_verify_tree_mask(num_heads, page_size):
+    gen = torch.Generator().manual_seed(7)
+    q_len = 8
+    args, q = make_inputs([8, 90, 1000, 3000], [q_len] * 4, num_heads, page_size, "cuda", gen=gen)
+    mask = random_mask(4, q_len, q_len, gen, "cuda")
+    mask[0, 3] = False  # kv_len == M: this row sees no key at all and must output 0
+    got = check(args, q, custom_mask=mask)
+    assert (got[3] == 0).all()
+    check(args, q, custom_mask=mask, num_splits=4)
+
+
+@gpu
+def test_draft_tree_step_mask_longer_than_q_len():
+    """Draft step 3 of a topk=4 tree: 4 queries, mask over the last 12 kv positions."""
+    gen = torch.Generator().manual_seed(11)
+    args, q = make_inputs([12, 40, 2000], [4, 4, 4], 16, 16, "cuda", gen=gen)
+    check(args, q, custom_mask=random_mask(3, 4, 12, gen, "cuda"))
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@gpu
+def test_draft_extend_variable_q_len(num_heads):
+    args, q = make_inputs([3, 50, 0, 800, 8, 4000], [3, 0, 0, 1, 8, 5], num_heads, 16, "cuda", max_q_len=8)
+    check(args, q)
+    check(args, q, num_splits=5)
+
+
+@gpu
+def test_short_prefill():
+    args, q = make_inputs([300, 1200], [300, 77], 16, 64, "cuda")
+    check(args, q)
+
+
+@gpu
+def test_fp8_cache_with_scale():
+    args, q = make_inputs([1, 500, 3000], [4, 4, 4], 16, 64, "cuda", kv_dtype=torch.float8_e4m3fn)
+    check(args, q, kv_scale=0.5)
+    check(args, q, kv_scale=0.5, num_splits=1)
+
+
+@gpu
+def test_out_is_written_in_place_and_extra_rows_untouched():
+    args, q = make_inputs([100, 200], [1, 1], 16, 16, "cuda")
+    out = torch.full((3, 16, DV), 7.0, dtype=torch.bfloat16, device="cuda")  # one row past cu[B]
+    args["q"] = torch.cat([args["q"], args["q"][:1]])
+    result = mla_paged_attention(**args, max_q_len=q, sm_scale=SM_SCALE, out=out, num_splits=2)
+    assert result is out
+    assert (out[2] == 7).all()
+    ref = reference(args["q"], args["kv_cache"], args["block_tables"], args["seq_lens"], args["cu_seqlens_q"],
+                    SM_SCALE)
+    torch.testing.assert_close(out[:2].float().cpu(), ref[:2], atol=ATOL, rtol=RTOL)
+
+
+@gpu
+def test_cuda_graph_replay_equals_eager_bitwise():
+    gen = torch.Generator().manual_seed(5)
+    args, q = make_inputs([900, 3, 4000, 0], [4] * 4, 16, 64, "cuda", gen=gen)
+    mask = random_mask(4, 4, 4, gen, "cuda")
+    out = torch.empty(16, 16, DV, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        mla_paged_attention(**args, max_q_len=q, sm_scale=SM_SCALE, custom_mask=mask, out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new_lens in ([900, 3, 4000, 0], [17, 4, 2500, 4]):  # new lengths, same static shapes
+        args["seq_lens"].copy_(torch.tensor(new_lens, dtype=torch.int32))
+        mask.copy_(random_mask(4, 4, 4, gen, "cuda"))
+        step()
+        eager = out.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@gpu
+def test_no_host_sync():
+    args, q = make_inputs([900, 3, 4000], [2] * 3, 128, 16, "cuda")
+    mask = torch.ones(3, 2, 2, dtype=torch.bool, device="cuda")
+    mla_paged_attention(**args, max_q_len=q, sm_scale=SM_SCALE)  # compile outside the check
+    mla_paged_attention(**args, max_q_len=q, sm_scale=SM_SCALE, custom_mask=mask)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mla_paged_attention(**args, max_q_len=q, sm_scale=SM_SCALE)
+        mla_paged_attention(**args, max_q_len=q, sm_scale=SM_SCALE, custom_mask=mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+def test_table_entries_past_length_are_never_read():
+    """Garbage page ids far outside the cache past each request's length: an out-of-bounds read
+    would fault. Last in the file because a fault would poison the CUDA context."""
+    args, q = make_inputs([5, 64, 130], [2, 2, 2], 16, 64, "cuda", extra_pages=5)
+    bt = args["block_tables"]
+    for b, n in enumerate((1, 1, 3)):
+        bt[b, n:] = 2 ** 30
+    check(args, q)
+    torch.cuda.synchronize()
