@@ -46,13 +46,15 @@ class FlashInferMLABackend(PagedMLABackend):
         self.wrapper.plan(
             batch.cu_seqlens_q.int(), kv_indptr, md.block_tables.flatten(), batch.seq_lens_cpu.int(),
             self.layer.num_heads, KV_LORA_RANK, 64, self.page_size, True, self.layer.sm_scale,
-            torch.bfloat16 if self.kv.kv_buffers[0].dtype == torch.bfloat16 else self.kv.kv_buffers[0].dtype,
+            self.kv.kv_buffers[0].dtype,
             self.kv.kv_buffers[0].dtype,
         )
 
     def _run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """query ``[T, H, 576]``; kv_cache ``[P, ps, 576]`` -> ``[T, H, 512]``."""
-        return self.wrapper.run(query[..., :KV_LORA_RANK], query[..., KV_LORA_RANK:], kv_cache[..., :KV_LORA_RANK], kv_cache[..., KV_LORA_RANK:])
+        q = query.to(kv_cache.dtype)  # the kernel takes queries in the cache's 16-bit dtype
+        out = self.wrapper.run(q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:], kv_cache[..., :KV_LORA_RANK], kv_cache[..., KV_LORA_RANK:])
+        return out.to(query.dtype)
 
     def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
         bs, q_len = query.shape[:2]

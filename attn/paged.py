@@ -17,6 +17,13 @@ from attn.base import KV_DIM, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView,
 from attn.reference import token_to_request
 
 
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``[..., 576]`` as ``[N, 576]`` rows; one-byte dtypes (fp8) as uint8, which every device
+    can index and copy."""
+    flat = t.reshape(-1, KV_DIM)
+    return flat.view(torch.uint8) if flat.element_size() == 1 else flat
+
+
 @dataclass
 class PagedMetadata:
     """Per-pass kernel arguments, all on the device.
@@ -141,10 +148,9 @@ class PagedMLABackend:
         return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
 
     def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:
-        flat = cache.view(-1, KV_DIM)
         if cache.dtype == torch.float8_e4m3fn:
-            kv_new = (kv_new.float() / self.kv.kv_scale).to(cache.dtype)
-        flat.index_copy_(0, loc, kv_new.to(cache.dtype))
+            kv_new = kv_new.float() / self.kv.kv_scale
+        rows(cache).index_copy_(0, loc, rows(kv_new.to(cache.dtype)))
 
     def bmm1_scale(self) -> float:
         """Scale applied to q·K: k_scale (fp8 cache only) * softmax scale."""

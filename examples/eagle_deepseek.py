@@ -18,7 +18,7 @@ import torch
 from specdec.baseline import greedy_generate
 from specdec.config import SpecConfig
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
-from specdec.models.loader import load_deepseek, load_mtp
+from specdec.models import load_deepseek, load_mtp
 from specdec.worker import EagleWorker
 
 

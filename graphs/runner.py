@@ -107,6 +107,7 @@ class GraphRunner:
 
         return (draft, verify, extend), out
 
+    @torch.inference_mode()
     def _capture_all(self, progress: bool) -> float:
         start = time.perf_counter()
         for i, bs in enumerate(reversed(self.buckets)):  # largest first: later graphs reuse its pool memory

@@ -12,6 +12,7 @@ from specdec.batch import extend_batch, uniform_batch
 from specdec.kv import MLAKVPool
 
 
+@torch.inference_mode()
 def greedy_generate(
     model: torch.nn.Module,
     prompts: list[list[int]],

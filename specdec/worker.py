@@ -17,6 +17,7 @@ import torch
 
 from attn.base import AttnBatch, ForwardMode
 from attn.multistep import MultiStepDraftBackend
+from attn.paged import rows as cache_rows
 from attn.registry import check_device
 from specdec.batch import extend_batch, host_to_device, uniform_batch
 from specdec.config import SpecConfig
@@ -118,6 +119,7 @@ class EagleWorker:
         self._next_rid = 0
 
     # ------------------------------------------------------------ admission
+    @torch.inference_mode()
     def add_requests(
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
         sampling: Optional[list[SamplingParams]] = None,
@@ -244,6 +246,7 @@ class EagleWorker:
         """One spec-decode iteration over every running request; finished requests leave."""
         return self.finish_step(self.launch_step())
 
+    @torch.inference_mode()
     def launch_step(self) -> AcceptResult:
         """Reserve pages and enqueue the step's device work (graph replay or eager); no host sync."""
         if not self.requests:
@@ -285,6 +288,7 @@ class EagleWorker:
         host_n = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32) if self._plans_on_host else None
         return self.state, target_rows, draft_rows, host_n
 
+    @torch.inference_mode()
     def spec_pass(
         self, st: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor, host_n: Optional[torch.Tensor] = None
     ) -> tuple[AcceptResult, DecodeState, VerifyTree]:
@@ -376,7 +380,7 @@ class EagleWorker:
         src = r2t[rows[:, None], st.seq_lens[:, None] + result.path].flatten().long()
         dst = r2t[rows[:, None], st.seq_lens[:, None] + steps].flatten().long()
         for cache in self.target_pool.kv_buffers:
-            flat = cache.view(-1, cache.shape[-1])
+            flat = cache_rows(cache)
             flat.index_copy_(0, dst, flat[src])
 
     def draft_extend(

@@ -25,11 +25,11 @@ def test_eagle_lossless_with_joins_and_finishes(target, mtp, topk, num_steps, nd
 
 
 def longest_matching_path(tree_tokens, parents, continuation) -> int:
-    """Depth of the deepest tree node whose root path spells a prefix of ``continuation``."""
+    """Depth of the deepest tree node whose root path spells ``continuation`` (``[0]`` = the root)."""
     best, depth_of = 0, {0: 0}
     for node in range(1, len(tree_tokens)):
         p = parents[node]
-        if p in depth_of and depth_of[p] < len(continuation) and tree_tokens[node] == continuation[depth_of[p]]:
+        if p in depth_of and depth_of[p] + 1 < len(continuation) and tree_tokens[node] == continuation[depth_of[p] + 1]:
             depth_of[node] = depth_of[p] + 1
             best = max(best, depth_of[node])
     return best
@@ -52,7 +52,7 @@ def test_identity_draft_accepts_the_best_path(target, topk, num_steps, ndt):
         tree = worker.last_tree
         for i, req in enumerate(running):
             full = expected[reqs.index(req)] + [-1] * 16
-            continuation = full[done[i]:]  # continuation[0] is the root; the tree's depth-d node should be continuation[d]
+            continuation = full[done[i] - 1:]  # [0] is the root (last output); depth-d nodes should be [d]
             assert tree.tokens[i, 0].item() == continuation[0]
             best = longest_matching_path(tree.tokens[i].tolist(), tree.parents[i].tolist(), continuation)
             assert stats.accept_lens[i] == best
