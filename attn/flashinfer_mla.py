@@ -1,8 +1,9 @@
 """FlashInfer's BatchMLAPagedAttentionWrapper (FA3 on SM90, FA2 elsewhere).
 
-Its plan() schedules on the host from the kv lengths, so this backend needs seq_lens on the
-host (``needs_cpu_seq_lens = True``) and plans in init_forward_metadata, outside any graph;
-run() is the kernel call. No custom masks: topk must be 1.
+Its plan() schedules on the host from the kv lengths (it copies the dense block-table metadata's
+seq_lens to the host: a sync per pass), so this backend has ``needs_cpu_seq_lens = True`` and
+plans in init_forward_metadata, outside any graph; run() is the kernel call, on the packed
+576-wide query and cache. No custom masks: topk must be 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_LORA_RANK, AttnBatch
+from attn.base import KV_LORA_RANK, QK_ROPE_DIM, AttnBatch
 from attn.paged import PagedMLABackend
 
 
@@ -31,29 +32,26 @@ class FlashInferMLABackend(PagedMLABackend):
         backend = "fa3" if torch.cuda.get_device_capability(self.kv.device)[0] == 9 else "fa2"
         # A float workspace of its own: the wrapper keeps its plan in it.
         self.wrapper = BatchMLAPagedAttentionWrapper(torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.kv.device), backend=backend)
-        self._planned: Optional[tuple] = None
 
     def _allocate_workspace(self) -> Optional[torch.Tensor]:
         return None
 
     def init_forward_metadata(self, batch: AttnBatch, shared_block_tables: Optional[torch.Tensor] = None) -> None:
         super().init_forward_metadata(batch, shared_block_tables)
-        if batch.seq_lens_cpu is None:
-            raise ValueError("flashinfer_mla plans on the host: the batch must carry seq_lens_cpu")
-        md, bs = self.metadata, batch.batch_size
-        device = self.kv.device
-        kv_indptr = torch.arange(bs + 1, dtype=torch.int32, device=device) * self.max_pages
+        from flashinfer.mla import MLAPlanMetadata
+
+        md = self.metadata
+        dtype = self.kv.kv_buffers[0].dtype
         self.wrapper.plan(
-            batch.cu_seqlens_q.int(), kv_indptr, md.block_tables.flatten(), batch.seq_lens_cpu.int(),
-            self.layer.num_heads, KV_LORA_RANK, 64, self.page_size, True, self.layer.sm_scale,
-            self.kv.kv_buffers[0].dtype,
-            self.kv.kv_buffers[0].dtype,
+            metadata=MLAPlanMetadata.dense(md.cu_seqlens_q, md.block_tables, md.seq_lens, batch.max_q_len),
+            num_heads=self.layer.num_heads, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=QK_ROPE_DIM,
+            page_size=self.page_size, causal=True, sm_scale=self.layer.sm_scale, q_data_type=dtype, kv_data_type=dtype,
+            query_layout="packed", kv_cache_layout="packed",
         )
 
     def _run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """query ``[T, H, 576]``; kv_cache ``[P, ps, 576]`` -> ``[T, H, 512]``."""
-        q = query.to(kv_cache.dtype)  # the kernel takes queries in the cache's 16-bit dtype
-        out = self.wrapper.run(q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:], kv_cache[..., :KV_LORA_RANK], kv_cache[..., KV_LORA_RANK:])
+        out = self.wrapper.run(query=query.to(kv_cache.dtype), kv_cache=kv_cache)  # queries in the cache's dtype
         return out.to(query.dtype)
 
     def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):

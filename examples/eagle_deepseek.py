@@ -67,6 +67,8 @@ def main() -> None:
     )
 
     with torch.inference_mode():
+        greedy_generate(target, prompts, 2, backend=backend, page_size=cfg.page_size)  # warm-up: JIT, allocator
+        _sync(device)
         start = time.perf_counter()
         baseline = greedy_generate(target, prompts, args.max_new_tokens, backend=backend, page_size=cfg.page_size)
         _sync(device)
