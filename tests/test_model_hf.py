@@ -9,33 +9,15 @@ import pytest
 import torch
 
 from attn.torch_ref import TorchRefBackend
-from specdec.batch import extend_batch, uniform_batch
+from specdec.batch import extend_batch
 from specdec.kv import MLAKVPool
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM, load_deepseek, load_mtp, save_deepseek
-from attn.base import ForwardMode
+from spec_helpers import sequence_logits
 
 HF_KW = dict(vocab_size=80, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
              num_attention_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
              max_position_embeddings=256)
-
-
-def run_ours(model, ids: list[int], decode_steps: int = 3) -> torch.Tensor:
-    """Logits of every position: prefill of all but the last ``decode_steps`` tokens, then decode one by one."""
-    pool = MLAKVPool(model.num_attention_layers, 16, 16, 1, 128, torch.float32)
-    row = pool.alloc_request()
-    pool.ensure_capacity(row, len(ids))
-    backend = TorchRefBackend(pool.view(), model.attn_spec(), 1, 1)
-    n = len(ids) - decode_steps
-    batch = extend_batch(pool.req_to_token, [row], [0], [n])
-    backend.init_forward_metadata(batch)
-    with torch.no_grad():
-        logits = [model.compute_logits(model(torch.tensor(ids[:n]), torch.arange(n), backend, batch))]
-        for p in range(n, len(ids)):
-            batch = uniform_batch(ForwardMode.DECODE, pool.req_to_token, torch.tensor([row]), torch.tensor([p]), 1, torch.tensor([p + 1]))
-            backend.init_forward_metadata(batch)
-            logits.append(model.compute_logits(model(torch.tensor([ids[p]]), torch.tensor([p]), backend, batch)))
-    return torch.cat(logits)
 
 
 @pytest.mark.parametrize("variant", [
@@ -61,7 +43,7 @@ def test_logits_match_transformers(tmp_path, variant):
     ids = torch.randint(0, HF_KW["vocab_size"], (20,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(run_ours(ours, ids), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sequence_logits(ours, ids, decode_steps=3), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_mtp_matches_composition_of_reference_modules():
@@ -112,7 +94,7 @@ def test_round_trip_with_mtp(tmp_path):
     loaded = load_deepseek(str(tmp_path), torch.float32)
     loaded_mtp = load_mtp(str(tmp_path), torch.float32, target=loaded)
     ids = list(range(12))
-    assert torch.equal(run_ours(loaded, ids), run_ours(model, ids))
+    assert torch.equal(sequence_logits(loaded, ids), sequence_logits(model, ids))
     for name, t in mtp.state_dict().items():
         assert torch.equal(loaded_mtp.state_dict()[name], t), name
 
