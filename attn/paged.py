@@ -212,3 +212,33 @@ class PagedMLABackend:
             part = torch.cat([part, part.new_zeros(bs, 1, *part.shape[2:])], dim=1)
             out = torch.where(in_chunk[:, None, None], part[req, col].to(out.dtype), out)
         return out
+
+
+class RaggedKernelBackend(PagedMLABackend):
+    """A family whose one kernel takes packed ragged queries with an optional tree mask
+    (``_run_ragged_kernel``); uniform-q passes flatten into it, prefill calls it directly."""
+
+    supports_tree_mask = True
+
+    def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
+        bs, q_len = query.shape[:2]
+        cu = torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=query.device)
+        out = self._run_ragged_kernel(query.flatten(0, 1), kv_cache, block_tables, seq_lens, cu, q_len, custom_mask)
+        return out.view(bs, q_len, *out.shape[1:])
+
+    def _run_prefill_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len):
+        return self._run_ragged_kernel(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, None)
+
+    def _run_ragged_kernel(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        max_q_len: int,
+        custom_mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """query ``[T, H, 576]`` packed by ``cu_seqlens_q`` ``[B + 1]`` int32; custom_mask
+        ``[B, max_q_len, M]`` bool or None (causal). Returns ``[T, H, 512]`` in query's dtype."""
+        raise NotImplementedError(f"{type(self).__name__} defines no ragged kernel")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attn.cutedsl_mla import CuteDslMLABackend
-from attn.paged import PagedMLABackend
+from attn.paged import PagedMLABackend, RaggedKernelBackend
 from attn.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
 from attn.torch_ref import TorchRefBackend
 from attn.trtllm_mla import TrtllmMLABackend
@@ -35,10 +35,11 @@ def kernel_calls(monkeypatch):
         assert block_tables.shape == (bs, self.max_pages) and seq_lens.shape == (bs,)
         assert max_seq_len == self.max_pages * self.page_size
         calls.append((self.name, q_len))
-        return TorchRefBackend._run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
+        return RaggedKernelBackend._run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
 
     for cls in BLACKWELL:
         monkeypatch.setattr(cls, "_run_decode_kernel", reference_kernel)
+        monkeypatch.setattr(cls, "_run_ragged_kernel", TorchRefBackend._run_ragged_kernel, raising=False)
         monkeypatch.setattr(cls, "required_sm", None)
     return calls
 

@@ -76,7 +76,7 @@ def test_backend_writes_kv_then_attends():
 
 
 class ChunkedDecodeBackend(TorchRefBackend):
-    """Prefill through the paged default: the decode kernel over chunks of 3 query tokens."""
+    """Prefill through the paged default: the (reference) decode kernel over chunks of 3 query tokens."""
 
     max_decode_q_len = 3
     _run_prefill_kernel = PagedMLABackend._run_prefill_kernel
