@@ -55,6 +55,7 @@ class KernelConfig:
     block_n: int  # kv rows per iteration
     num_warps: int
     num_stages: int
+    v_split: int = 1  # programs sharing one tile's 512 output dims (each computes all of QK^T)
 
 
 def _next_pow2(n: int) -> int:
@@ -87,8 +88,8 @@ def min_split_len(tile: TileShape) -> int:
 def plan_num_splits(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int) -> int:
     """Split-KV count for a launch, from static sizes only (CUDA-graph safe).
 
-    Enough splits to give every SM its resident programs (two small-tile programs, or one
-    64-row program, which needs most of the shared memory), but no split shorter than
+    Enough splits to give every SM its resident programs (programs_per_sm), in whole waves
+    (a second, nearly empty wave costs almost as much as the first), but no split shorter than
     min_split_len of the longest possible sequence (``max_kv_len``, e.g. block-table width x
     page size), and at most MAX_SPLITS. Per request the kernel cuts its own length into this
     many chunks, so short requests just leave some splits empty.
@@ -100,9 +101,21 @@ def plan_num_splits(batch_size: int, num_heads: int, max_q_len: int, max_kv_len:
     if not isinstance(max_kv_len, int) or max_kv_len < 0:
         raise ValueError(f"plan_num_splits: max_kv_len must be a non-negative int, got {max_kv_len!r}")
     tile = tile_shape(num_heads, max_q_len)
-    programs_per_sm = 2 if tile.rows <= 32 else 1
-    wanted = math.ceil(programs_per_sm * num_sms / (batch_size * num_row_blocks(num_heads, max_q_len)))
-    return max(1, min(wanted, math.ceil(max_kv_len / min_split_len(tile)), MAX_SPLITS))
+    config = select_config(tile)
+    slots = programs_per_sm(tile, config) * num_sms
+    per_split = batch_size * num_row_blocks(num_heads, max_q_len) * config.v_split
+    cap = max(1, min(math.ceil(max_kv_len / min_split_len(tile)), MAX_SPLITS))
+    # Whole waves only: a split count whose programs overflow the slots by a few would run a
+    # nearly empty second wave, so of floor and ceil of slots / per_split take the one with the
+    # least time per unit of work (waves / splits); ties go to fewer splits.
+    candidates = sorted({max(1, min(n, cap)) for n in (slots // per_split, math.ceil(slots / per_split))})
+    return min(candidates, key=lambda n: (math.ceil(n * per_split / slots) / n, n))
+
+
+def programs_per_sm(tile: TileShape, config: KernelConfig) -> int:
+    """Programs resident on one SM: two 16/32-row programs; 64-row programs hold the whole
+    query tile ([64, 576] bf16) in shared memory, so two fit only with 16-row kv tiles."""
+    return 2 if tile.rows <= 32 or config.block_n <= 16 else 1
 
 
 def select_config(tile: TileShape) -> KernelConfig:
@@ -111,6 +124,10 @@ def select_config(tile: TileShape) -> KernelConfig:
     16 rows: mma.sync with 4 warps, 32-row kv tiles, double-buffered. 32 rows: 64-row kv tiles
     and 8 warps. 64 rows: wgmma; the [64, 512] fp32 accumulator needs 8 warps (128 registers a
     thread) and 64-row kv tiles use two ~72 KB shared-memory buffers.
+
+    v_split=2 (two programs per 64-row tile, each computing all of QK^T for 256 output dims;
+    num_warps=4, block_n=16 lets two of them share an SM) removes the spills but measured
+    10-40% slower at 128 heads than the duplicated-QK 8-warp tile, so it stays off by default.
     """
     if tile.rows <= 16:
         return KernelConfig(block_n=32, num_warps=4, num_stages=2)
@@ -119,19 +136,21 @@ def select_config(tile: TileShape) -> KernelConfig:
 
 @_jit
 def _attend_tile(
-    acc, m_i, l_i, q_nope, q_pe,
+    acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off,
     kv_ptr, bt_row_ptr, start, kv_len, page_size, stride_kv_page, stride_kv_row,
     q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
-    BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
-    MASKED: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+    MASKED: tl.constexpr, HAS_MASK: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
     """One online-softmax step over kv rows [start, start + BLOCK_N) of one request.
 
     MASKED=False is the fast path for tiles every row of the program fully sees (no bounds or
     mask checks at all); MASKED=True applies the kv length and the causal or custom mask.
+    q_nope / the result hold the D_V latent dims at own_off; with V_SPLIT=2, q_oth holds the other
+    half (at oth_off), which only enters the scores.
     """
     offs_n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_NOPE)
+    offs_d = tl.arange(0, D_V)
     offs_pe = tl.arange(0, D_PE)
     if MASKED:
         in_range = offs_n < kv_len
@@ -140,16 +159,22 @@ def _attend_tile(
         page = tl.load(bt_row_ptr + offs_n // page_size)
     row_ptr = kv_ptr + page.to(tl.int64) * stride_kv_page + (offs_n % page_size).to(tl.int64) * stride_kv_row
     if MASKED:
-        k_nope = tl.load(row_ptr[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        k_pe = tl.load(row_ptr[:, None] + D_NOPE + offs_pe[None, :], mask=in_range[:, None], other=0.0)
+        k_nope = tl.load(row_ptr[:, None] + own_off + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        k_pe = tl.load(row_ptr[:, None] + D_V * V_SPLIT + offs_pe[None, :], mask=in_range[:, None], other=0.0)
     else:
-        k_nope = tl.load(row_ptr[:, None] + offs_d[None, :])
-        k_pe = tl.load(row_ptr[:, None] + D_NOPE + offs_pe[None, :])
+        k_nope = tl.load(row_ptr[:, None] + own_off + offs_d[None, :])
+        k_pe = tl.load(row_ptr[:, None] + D_V * V_SPLIT + offs_pe[None, :])
     # An fp8 cache is widened to the query dtype; its scale is folded into qk_scale / v_scale.
     k_nope = k_nope.to(q_nope.dtype)
     k_pe = k_pe.to(q_pe.dtype)
 
     qk = tl.dot(q_nope, tl.trans(k_nope))
+    if V_SPLIT == 2:
+        if MASKED:
+            k_oth = tl.load(row_ptr[:, None] + oth_off + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        else:
+            k_oth = tl.load(row_ptr[:, None] + oth_off + offs_d[None, :])
+        qk = tl.dot(q_oth, tl.trans(k_oth.to(q_oth.dtype)), qk)
     qk = tl.dot(q_pe, tl.trans(k_pe), qk)
     qk = qk * qk_scale  # log2 domain
     if MASKED:
@@ -191,15 +216,16 @@ def _mla_attention_kernel(
     page_size, num_splits, mask_len, qk_scale, v_scale,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
-    HAS_MASK: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_MASK: tl.constexpr, DIRECT: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
-    """Grid (head blocks x query blocks, splits, batch). One program: BLOCK_Q query tokens x
+    """Grid (head blocks x query blocks x V_SPLIT, splits, batch). One program: BLOCK_Q query tokens x
     BLOCK_H heads of request b over the kv chunk of split s.
 
     DIRECT (one split): writes the normalised output [T, H, 512]. Otherwise writes the normalised
     partial output [T, H, S, 512] fp32 and its log2-sum-exp [T, H, S] (-inf: saw nothing).
     """
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(0) // V_SPLIT
+    v_part = tl.program_id(0) % V_SPLIT  # which D_NOPE // V_SPLIT output dims this program owns
     split = tl.program_id(1)
     b = tl.program_id(2)
     num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -217,10 +243,17 @@ def _mla_attention_kernel(
     token = (q_start + q_idx).to(tl.int64)
     q_pos = kv_len - q_len + q_idx  # kv index of each row's query token
 
-    offs_d = tl.arange(0, D_NOPE)
+    D_V: tl.constexpr = D_NOPE // V_SPLIT
+    own_off = v_part * D_V
+    oth_off = (V_SPLIT - 1 - v_part) * D_V
+    offs_d = tl.arange(0, D_V)
     offs_pe = tl.arange(0, D_PE)
     q_row_ptr = q_ptr + token * stride_qt + head * stride_qh
-    q_nope = tl.load(q_row_ptr[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q_nope = tl.load(q_row_ptr[:, None] + own_off + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    if V_SPLIT == 2:
+        q_oth = tl.load(q_row_ptr[:, None] + oth_off + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    else:
+        q_oth = q_nope  # unused
     q_pe = tl.load(q_row_ptr[:, None] + D_NOPE + offs_pe[None, :], mask=row_valid[:, None], other=0.0)
 
     # This split's chunk of the request, cut to what the program's rows can see. Rows of one
@@ -242,20 +275,20 @@ def _mla_attention_kernel(
     mask_rows_ptr = mask_ptr + b.to(tl.int64) * stride_mb + q_idx.to(tl.int64) * stride_mq
     mask_start = kv_len - mask_len
 
-    acc = tl.zeros([BLOCK_Q * BLOCK_H, D_NOPE], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, D_V], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
     for start in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row_ptr, start, kv_len, page_size,
+            acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off, kv_ptr, bt_row_ptr, start, kv_len, page_size,
             stride_kv_page, stride_kv_row, q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
-            BLOCK_N, D_NOPE, D_PE, False, HAS_MASK,
+            BLOCK_N, D_V, D_PE, False, HAS_MASK, V_SPLIT,
         )
     for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row_ptr, start, kv_len, page_size,
+            acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off, kv_ptr, bt_row_ptr, start, kv_len, page_size,
             stride_kv_page, stride_kv_row, q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
-            BLOCK_N, D_NOPE, D_PE, True, HAS_MASK,
+            BLOCK_N, D_V, D_PE, True, HAS_MASK, V_SPLIT,
         )
 
     # A row that saw nothing has acc == 0 and l == 0: it outputs exactly 0.
@@ -263,11 +296,12 @@ def _mla_attention_kernel(
     o = acc * (v_scale / tl.where(saw_any, l_i, 1.0))[:, None]
     o_row_ptr = o_ptr + token * stride_ot + head * stride_oh
     if DIRECT:
-        tl.store(o_row_ptr[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
+        tl.store(o_row_ptr[:, None] + own_off + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        tl.store(o_row_ptr[:, None] + split * stride_os + offs_d[None, :], o, mask=row_valid[:, None])
+        tl.store(o_row_ptr[:, None] + split * stride_os + own_off + offs_d[None, :], o, mask=row_valid[:, None])
         lse = tl.where(saw_any, m_i + tl.math.log2(tl.where(saw_any, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid)
+        # Every V part computes the same lse: the first one writes it.
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid & (v_part == 0))
 
 
 @_jit
@@ -452,7 +486,7 @@ def _launch(
     mask_strides = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     # Scores in the log2 domain; the fp8 scale multiplies K (here) and V (in the output scale).
     qk_scale = sm_scale * kv_scale * _LOG2E
-    grid = (num_row_blocks(num_heads, max_q_len), num_splits, batch_size)
+    grid = (num_row_blocks(num_heads, max_q_len) * config.v_split, num_splits, batch_size)
     _mla_attention_kernel[grid](
         q, kv_cache, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *mask_strides,
@@ -460,7 +494,7 @@ def _launch(
         kv_cache.shape[1], num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale,
         NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q, BLOCK_N=config.block_n,
         MIN_CHUNK=min_chunk, D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM,
-        HAS_MASK=has_mask, DIRECT=direct,
+        HAS_MASK=has_mask, DIRECT=direct, V_SPLIT=config.v_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if direct:
