@@ -93,8 +93,8 @@ class AttnBatch:
 class LayerSpec:
     """Static per-model attention facts a backend needs.
 
-    num_heads: query heads per layer (16..128). sm_scale: softmax scale of the 192-wide
-    (nope 128 + rope 64) head, YaRN mscale included.
+    num_heads: query heads per layer (16..128). sm_scale: softmax scale of the (nope + rope)-wide
+    head (1/sqrt(192) for DeepSeek-V3), YaRN mscale included.
     """
 
     num_heads: int

@@ -71,10 +71,11 @@ def paged_mla_reference(
         masked_in = torch.gather(custom_mask[req, idx], 1, rel)
         visible &= ~in_region | masked_in
 
-    scores = torch.einsum("thd,tkd->thk", q.float(), kv[req]) * sm_scale
+    kv_of_token = kv[req]  # [T, max_kv, 576]: fine for a reference, not for long contexts
+    scores = torch.einsum("thd,tkd->thk", q.float(), kv_of_token) * sm_scale
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
-    result = torch.einsum("thk,tkd->thd", probs, kv[req][..., :KV_LORA_RANK]).to(q.dtype)
+    result = torch.einsum("thk,tkd->thd", probs, kv_of_token[..., :KV_LORA_RANK]).to(q.dtype)
     if out is None:
         return result
     out.copy_(result)

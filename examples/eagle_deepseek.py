@@ -1,17 +1,22 @@
 """EAGLE speculative decoding on a DeepSeek-V3-architecture model, with and without spec decoding.
 
-    python examples/eagle_deepseek.py                       # embedded default: a tiny model, CPU ok
+    python examples/eagle_deepseek.py                       # examples/tiny_model (train_tiny.py), CPU ok
     python examples/eagle_deepseek.py --checkpoint DIR      # any HF-format DeepSeek-V3 dir with an MTP layer
     python examples/eagle_deepseek.py --device cuda --backend triton_mla --cuda-graph
+    python examples/eagle_deepseek.py --topk 4 --num-draft-tokens 8 --temperature 0.7 --plot spec.png
 
-Prints the generated tokens, the mean accept length, tokens/s both ways and the speedup, and
-checks that greedy spec decoding produced exactly the target's own greedy output.
+The prompts are the beginnings of held-out standard-library files (train_tiny.py's split), as
+bytes. Prints the continuations, the mean accept length, tokens/s both ways and the speedup, and
+(greedy) how many requests got exactly the target's own greedy output (all of them in fp32). Without
+examples/tiny_model/ (train it with examples/train_tiny.py) a randomly initialised tiny model runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +24,9 @@ from specdec.baseline import greedy_generate
 from specdec.config import SpecConfig
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
+from specdec.sampling import SamplingParams
 from specdec.worker import EagleWorker
+from train_tiny import DEFAULT_OUT, stdlib_files
 
 
 def tiny_default(device: torch.device, dtype: torch.dtype) -> tuple[DeepseekV3ForCausalLM, DeepseekMTP]:
@@ -36,36 +43,54 @@ def tiny_default(device: torch.device, dtype: torch.dtype) -> tuple[DeepseekV3Fo
     return target, mtp
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="HF-format DeepSeek-V3 directory with an MTP layer (default: tiny model)")
-    ap.add_argument("--backend", default=None, help="attention backend (default: torch_ref on CPU, triton_mla on CUDA)")
-    ap.add_argument("--num-steps", type=int, default=3)
-    ap.add_argument("--topk", type=int, default=1)
-    ap.add_argument("--num-draft-tokens", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--cuda-graph", action="store_true")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
+def load_models(checkpoint: str | None, device: torch.device, dtype: torch.dtype) -> tuple[DeepseekV3ForCausalLM, DeepseekMTP]:
+    """The checkpoint's target and MTP draft; default examples/tiny_model, else the random tiny model."""
+    path = checkpoint or (DEFAULT_OUT if (DEFAULT_OUT / "config.json").exists() else None)
+    if path is None:
+        print(f"{DEFAULT_OUT} not found: train it with `python examples/train_tiny.py` (one GPU, a few minutes); "
+              "running a randomly initialised tiny model instead (expect short accept lengths)")
+        return tiny_default(device, dtype)
+    print(f"model: {path}")
+    target = load_deepseek(str(path), dtype, device)
+    return target, load_mtp(str(path), dtype, device, target=target)
 
-    device = torch.device(args.device)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    backend = args.backend or ("torch_ref" if device.type == "cpu" else "triton_mla")
-    if args.checkpoint:
-        target = load_deepseek(args.checkpoint, dtype, device)
-        draft = load_mtp(args.checkpoint, dtype, device, target=target)
-    else:
-        target, draft = tiny_default(device, dtype)
-    vocab = target.config.vocab_size
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab, (8 + 5 * i,), generator=g).tolist() for i in range(args.batch_size)]
+
+def stdlib_prompts(n: int, max_len: int) -> list[tuple[str, list[int]]]:
+    """(file name, bytes) of n held-out stdlib files: each file's first max_len bytes, cut after
+    their last newline (files reused in turn if n exceeds them)."""
+    files = stdlib_files(heldout=True)
+    out = []
+    for i in range(n):
+        head = files[i % len(files)].read_bytes()[:max_len]
+        out.append((files[i % len(files)].name, list(head[: head.rfind(b"\n") + 1] or head)))
+    return out
+
+
+@dataclass
+class Measurement:
+    """One batch decoded both ways: outputs, target-only greedy outputs, per-step accept lengths, seconds."""
+
+    outputs: list[list[int]]
+    baseline: list[list[int]]
+    accept: list[int]
+    base_s: float
+    spec_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+
+def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[list[int]], args: argparse.Namespace,
+            device: torch.device, backend: str) -> tuple[Measurement, SpecConfig]:
+    """Decode prompts target-only (greedy) and with spec decoding, each after a warm-up."""
     context = 64 * ((max(map(len, prompts)) + args.max_new_tokens + 4 * args.num_steps * max(args.topk, 2) + 63) // 64)
     cfg = SpecConfig(
         num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, attention_backend=backend,
-        page_size=64 if device.type == "cuda" else 16, max_batch_size=args.batch_size, max_context_len=context,
+        page_size=64 if device.type == "cuda" else 16, max_batch_size=len(prompts), max_context_len=context,
+        enable_sampling=args.temperature > 0,
     )
-
+    sampling = [SamplingParams(temperature=args.temperature, seed=i) for i in range(len(prompts))]
     with torch.inference_mode():
         greedy_generate(target, prompts, 2, backend=backend, page_size=cfg.page_size)  # warm-up: JIT, allocator
         _sync(device)
@@ -79,23 +104,90 @@ def main() -> None:
             from graphs.runner import GraphRunner
 
             GraphRunner(worker)
-        start = time.perf_counter()
-        reqs = worker.add_requests(prompts, args.max_new_tokens)
-        accept: list[int] = []
-        while worker.requests:
-            accept += worker.step().accept_lens
-        _sync(device)
+        for max_new in (cfg.num_steps + 2, args.max_new_tokens):  # warm-up (JIT, allocator), then timed
+            start = time.perf_counter()
+            reqs = worker.add_requests(prompts, max_new, sampling=sampling)
+            accept: list[int] = []
+            while worker.requests:
+                accept += worker.step().accept_lens
+            _sync(device)
         spec_s = time.perf_counter() - start
+    return Measurement([r.output for r in reqs], baseline, accept, base_s, spec_s), cfg
 
-    outputs = [r.output for r in reqs]
-    tokens = sum(map(len, outputs))
-    for prompt, out in zip(prompts, outputs):
-        print(f"prompt {prompt[:8]}... -> {out}")
-    mean_accept = sum(accept) / max(len(accept), 1)
-    print(f"backend {backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, num_draft_tokens {cfg.num_draft_tokens}, device {device}")
+
+def show(tokens: list[int], vocab_size: int) -> str:
+    """Bytes as text for a byte-level vocabulary, else the token ids."""
+    return bytes(tokens).decode(errors="replace") if vocab_size == 256 else str(tokens)
+
+
+def plot(path: str, main: Measurement, sweep: dict[int, Measurement], title: str) -> None:
+    """PNG: the accept-length histogram of the main run, and tokens/s by batch size both ways."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.hist(main.accept, bins=range(max(main.accept) + 2), align="left", rwidth=0.8)
+    ax1.set(xlabel="accepted draft tokens per step", ylabel="steps", title="accept length")
+    ax1.set_xticks(range(max(main.accept) + 1))
+    sizes = sorted(sweep)
+    ax2.plot(sizes, [sweep[b].tokens / sweep[b].base_s for b in sizes], "o-", label="target only")
+    ax2.plot(sizes, [sweep[b].tokens / sweep[b].spec_s for b in sizes], "o-", label="spec decoding")
+    ax2.set(xscale="log", xlabel="batch size", ylabel="tokens/s", title="throughput")
+    ax2.set_xticks(sizes, [str(b) for b in sizes])
+    ax2.minorticks_off()
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help=f"HF-format DeepSeek-V3 directory with an MTP layer (default: {DEFAULT_OUT})")
+    ap.add_argument("--backend", default=None, help="attention backend (default: torch_ref on CPU, triton_mla on CUDA)")
+    ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--num-draft-tokens", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=160, help="prompt bytes per file, at most (cut at a newline)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: rejection-sampling verification")
+    ap.add_argument("--cuda-graph", action="store_true")
+    ap.add_argument("--plot", metavar="PATH", help="also time batch sizes 1, 2, 4, .. up to --batch-size; write a PNG")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    backend = args.backend or ("torch_ref" if device.type == "cpu" else "triton_mla")
+    target, draft = load_models(args.checkpoint, device, dtype)
+    vocab = target.config.vocab_size
+    named = stdlib_prompts(args.batch_size, args.prompt_len)
+    prompts = [p for _, p in named]
+    run, cfg = measure(target, draft, prompts, args, device, backend)
+
+    bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    for (name, prompt), out in zip(named, run.outputs):
+        print(f"----- {name} (continuation{' in bold' if bold else ' after the prompt'})\n{show(prompt, vocab)}{bold}{show(out, vocab)}{plain}")
+    print("-----")
+    mean_accept = sum(run.accept) / max(len(run.accept), 1)
+    print(f"backend {backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, num_draft_tokens {cfg.num_draft_tokens}, "
+          f"temperature {args.temperature}, batch {len(prompts)}, device {device}{', CUDA graphs' if args.cuda_graph else ''}")
     print(f"mean accept length: {mean_accept:.2f} drafted tokens/step ({mean_accept + 1:.2f} tokens/step emitted)")
-    print(f"tokens/s: target-only {tokens / base_s:.1f}, spec {tokens / spec_s:.1f}, speedup {base_s / spec_s:.2f}x")
-    print(f"lossless (spec == target-only greedy): {outputs == baseline}")
+    print(f"tokens/s: target-only {run.tokens / run.base_s:.1f}, spec {run.tokens / run.spec_s:.1f}, "
+          f"speedup {run.base_s / run.spec_s:.2f}x")
+    if args.temperature == 0:
+        same = sum(a == b for a, b in zip(run.outputs, run.baseline))
+        print(f"lossless (spec == target-only greedy): {same}/{len(prompts)} requests identical"
+              + (" (reduced precision: a near-tie can flip an argmax)" if dtype != torch.float32 and same < len(prompts) else ""))
+    if args.plot:
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.batch_size]
+        sweep = {b: measure(target, draft, prompts[:b], args, device, backend)[0] for b in sizes} | {args.batch_size: run}
+        plot(args.plot, run, sweep, f"{backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, "
+                                    f"num_draft_tokens {cfg.num_draft_tokens}, temperature {args.temperature}")
 
 
 def _sync(device: torch.device) -> None:

@@ -80,9 +80,14 @@ class MLAKVPool:
         self._requests[row] = _Request()
         return row
 
+    def _request(self, row: int) -> _Request:
+        if row not in self._requests:
+            raise KeyError(f"request row {row} is not allocated (alloc_request first, or it was freed)")
+        return self._requests[row]
+
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
         """Give request ``row`` pages for positions ``[0, num_tokens)``; all or nothing."""
-        req = self._requests[row]
+        req = self._request(row)
         if num_tokens > self.max_context_len:
             raise ValueError(f"{num_tokens} tokens exceed max_context_len {self.max_context_len}")
         need = math.ceil(num_tokens / self.page_size) - len(req.pages)
@@ -97,7 +102,7 @@ class MLAKVPool:
 
     def trim(self, row: int, num_tokens: int) -> None:
         """Return the pages of request ``row`` past position ``num_tokens`` (rejected drafts)."""
-        req = self._requests[row]
+        req = self._request(row)
         keep = math.ceil(num_tokens / self.page_size)
         while len(req.pages) > keep:
             self._free_pages.append(req.pages.pop())

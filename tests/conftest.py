@@ -1,6 +1,9 @@
 import pytest
 import torch
 
+# Tiny CPU matmuls: one thread avoids OpenMP spin contention on small (2-core) CI machines.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

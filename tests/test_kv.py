@@ -43,3 +43,9 @@ def test_context_limit_and_row_limit():
     pool.alloc_request(), pool.alloc_request()
     with pytest.raises(OutOfPagesError, match="max_requests"):
         pool.alloc_request()
+
+
+def test_unknown_row_is_a_clear_error():
+    pool = make_pool()
+    with pytest.raises(KeyError, match="row 2 is not allocated"):
+        pool.ensure_capacity(2, 4)

@@ -1,6 +1,15 @@
-"""DeepSeek-V3-architecture target model and MTP draft layer, with HF-format I/O."""
+"""DeepSeek-V3-architecture target model and MTP (EAGLE) draft layer, with HF-format I/O.
 
-from specdec.models.deepseek_v3 import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
-from specdec.models.hf_io import load_deepseek, load_mtp, save_deepseek
+config.py: DeepseekV3Config. deepseek.py: the target (absorbed MLA through an attn backend, MoE).
+mtp.py: the MTP draft layer. loader.py: load/save in the public checkpoint layout.
+"""
 
-__all__ = ["DeepseekMTP", "DeepseekV3Config", "DeepseekV3ForCausalLM", "load_deepseek", "load_mtp", "save_deepseek"]
+from specdec.models.config import DeepseekV3Config
+from specdec.models.deepseek import DeepseekV3ForCausalLM, softmax_scale, validate_token_ids
+from specdec.models.loader import CheckpointError, load_deepseek, load_mtp, save_deepseek
+from specdec.models.mtp import DeepseekMTP
+
+__all__ = [
+    "CheckpointError", "DeepseekMTP", "DeepseekV3Config", "DeepseekV3ForCausalLM", "load_deepseek", "load_mtp",
+    "save_deepseek", "softmax_scale", "validate_token_ids",
+]

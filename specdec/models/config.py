@@ -1,0 +1,167 @@
+"""DeepseekV3Config: the fields of an HF DeepSeek-V3 ``config.json``, validated up front."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+from attn.base import KV_LORA_RANK, QK_ROPE_DIM
+
+_YARN_REQUIRED = ("factor", "original_max_position_embeddings")
+
+
+@dataclass
+class DeepseekV3Config:
+    """Model shape and routing settings; defaults are those of the public DeepSeek-V3 release.
+
+    q_lora_rank: None means a plain ``q_proj`` (no low-rank query).
+    n_routed_experts: 0 or None makes every layer dense (SwiGLU MLP of intermediate_size).
+    rope_scaling: None or a YaRN dict (``type`` or ``rope_type`` "yarn", factor,
+        original_max_position_embeddings, and optionally beta_fast, beta_slow, mscale,
+        mscale_all_dim, attention_factor, truncate).
+    rope_interleave: the rope dims of q_b_proj / kv_a_proj_with_mqa are stored as interleaved
+        pairs (the public checkpoint's layout; transformers' default).
+    num_nextn_predict_layers: MTP layers stored after the decoder layers (0 or 1 here).
+    quantization_config: must be None; FP8 block-quantised checkpoints need dequantising first.
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: Optional[int] = None  # unused by MLA (kept for transformers); None: num_attention_heads
+    q_lora_rank: Optional[int] = 1536
+    kv_lora_rank: int = KV_LORA_RANK
+    qk_rope_head_dim: int = QK_ROPE_DIM
+    qk_nope_head_dim: int = 128
+    v_head_dim: int = 128
+    n_routed_experts: Optional[int] = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    first_k_dense_replace: int = 3
+    moe_layer_freq: int = 1
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    quantization_config: Optional[dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of the un-absorbed query/key head (nope + rope); the softmax scale uses it."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def yarn(self) -> Optional[dict[str, Any]]:
+        """The YaRN rope_scaling dict, or None without scaling."""
+        return self.rope_scaling
+
+    @property
+    def has_moe(self) -> bool:
+        return bool(self.n_routed_experts)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` (the MTP layer is ``num_hidden_layers``) is MoE."""
+        return self.has_moe and layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ValueError naming the first field this implementation cannot run."""
+        if self.kv_lora_rank != KV_LORA_RANK or self.qk_rope_head_dim != QK_ROPE_DIM:
+            raise ValueError(
+                f"kv_lora_rank must be {KV_LORA_RANK} and qk_rope_head_dim {QK_ROPE_DIM}: the attention backends use a "
+                f"{KV_LORA_RANK + QK_ROPE_DIM}-wide latent cache; got kv_lora_rank={self.kv_lora_rank}, "
+                f"qk_rope_head_dim={self.qk_rope_head_dim}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "qk_nope_head_dim", "v_head_dim", "max_position_embeddings"):
+            _check(getattr(self, name) > 0, name, "must be positive", getattr(self, name))
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be positive or None", self.q_lora_rank)
+        _check(self.hidden_act == "silu", "hidden_act", "must be 'silu'", self.hidden_act)
+        _check(not self.attention_bias, "attention_bias", "must be False (DeepSeek-V3 has no attention biases)", self.attention_bias)
+        _check(self.quantization_config is None, "quantization_config",
+               "must be absent: dequantise FP8 checkpoints to bf16 before loading", self.quantization_config)
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive", self.rms_norm_eps)
+        _check(self.rope_theta > 0, "rope_theta", "must be positive", self.rope_theta)
+        _check(self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers", "must be 0 or 1", self.num_nextn_predict_layers)
+        if self.has_moe:
+            self._validate_moe()
+        if self.rope_scaling is not None:
+            self._validate_yarn()
+
+    def _validate_moe(self) -> None:
+        e = self.n_routed_experts
+        _check(self.scoring_func == "sigmoid", "scoring_func", "must be 'sigmoid'", self.scoring_func)
+        _check(self.topk_method == "noaux_tc", "topk_method", "must be 'noaux_tc'", self.topk_method)
+        _check(self.n_group > 0 and e % self.n_group == 0, "n_group", f"must divide n_routed_experts ({e})", self.n_group)
+        # Group scores are the sum of each group's two best experts.
+        _check(e // self.n_group >= 2, "n_group", f"must leave at least 2 experts per group (n_routed_experts={e})", self.n_group)
+        _check(0 < self.topk_group <= self.n_group, "topk_group", f"must be in [1, n_group={self.n_group}]", self.topk_group)
+        selectable = self.topk_group * e // self.n_group
+        _check(0 < self.num_experts_per_tok <= selectable, "num_experts_per_tok",
+               f"must be in [1, topk_group * experts per group = {selectable}]", self.num_experts_per_tok)
+        _check(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive", self.moe_intermediate_size)
+        _check(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0", self.n_shared_experts)
+        _check(self.first_k_dense_replace >= 0, "first_k_dense_replace", "must be >= 0", self.first_k_dense_replace)
+        _check(self.moe_layer_freq >= 1, "moe_layer_freq", "must be >= 1", self.moe_layer_freq)
+
+    def _validate_yarn(self) -> None:
+        rs = self.rope_scaling
+        kind = rs.get("rope_type", rs.get("type"))
+        _check(kind == "yarn", "rope_scaling", "must be None or a YaRN dict (type 'yarn')", rs)
+        missing = [k for k in _YARN_REQUIRED if k not in rs]
+        _check(not missing, "rope_scaling", f"needs {missing}", rs)
+        _check(rs["factor"] > 0 and math.isfinite(rs["factor"]), "rope_scaling", "needs a positive factor", rs)
+
+    # ---------------------------------------------------------------------- I/O
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DeepseekV3Config":
+        """From a config.json dict; unknown keys are ignored. Reads both the public release's
+        ``rope_theta`` + ``rope_scaling`` and transformers 5's ``rope_parameters``."""
+        d = dict(d)
+        params = d.pop("rope_parameters", None)
+        if params:
+            d.setdefault("rope_theta", params.get("rope_theta", cls.rope_theta))
+            d.setdefault("rope_scaling", {k: v for k, v in params.items() if k != "rope_theta"})
+        scaling = d.get("rope_scaling")
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+            d["rope_scaling"] = None
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_json(cls, path: str) -> "DeepseekV3Config":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json dict in the public release's form (transformers reads it too)."""
+        d = asdict(self)
+        d.pop("quantization_config")  # always None here
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **d}
+
+
+def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"DeepseekV3Config.{name} {rule}; got {value!r}")

@@ -1,0 +1,304 @@
+"""A DeepSeek-V3-architecture decoder whose attention runs through an ``attn`` backend.
+
+MLA runs in absorbed (latent) form: W_UK (the key half of kv_b_proj) is folded into the query,
+so each head's query is ``[512 latent + 64 rope]`` against one shared 576-wide cache row per
+token; the backend returns the attention-weighted latent ``[T, H, 512]`` and W_UV (the value
+half of kv_b_proj) maps it to ``[T, H, v_head_dim]`` before o_proj. Module and parameter names
+follow the public DeepSeek-V3 checkpoint as transformers saves it (per-expert MoE weights), so
+``state_dict()`` names are checkpoint names.
+
+Token ids: ``forward`` checks them when they are a CPU tensor (no device sync); an engine that
+keeps ids on an accelerator checks its host copy with :func:`validate_token_ids` first.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attn.base import AttnBatch, LayerSpec
+from specdec.models.config import DeepseekV3Config
+
+
+def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int) -> None:
+    """Raise ValueError unless every id lies in ``[0, vocab_size)``. Reads the values: call it on
+    host data (it would synchronise with a device tensor)."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)].unique()[:8].tolist()
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {bad}")
+
+
+def check_inputs(input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> None:
+    """Shape checks always; value checks only for CPU ids (free there, a sync elsewhere)."""
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ValueError(f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+    if input_ids.device.type == "cpu":
+        validate_token_ids(input_ids, vocab_size)
+
+
+def softmax_scale(cfg: DeepseekV3Config) -> float:
+    """1/sqrt(nope + rope), times mscale(factor, mscale_all_dim)^2 under YaRN, as transformers
+    computes it. The backend applies it; the model never scales q."""
+    scale = cfg.qk_head_dim**-0.5
+    if cfg.yarn and cfg.yarn.get("mscale_all_dim"):
+        scale *= _yarn_mscale(cfg.yarn["factor"], cfg.yarn["mscale_all_dim"]) ** 2
+    return scale
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _factory(dtype: Optional[torch.dtype], device: Any) -> dict[str, Any]:
+    return {"dtype": dtype, "device": device}
+
+
+# ---------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32, scaled by the weight in the input dtype (as transformers)."""
+
+    def __init__(self, dim: int, eps: float, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **_factory(dtype, device)))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of the 64 rope dims at given positions, with YaRN frequency blending."""
+
+    def __init__(self, cfg: DeepseekV3Config, device: Any = None) -> None:
+        super().__init__()
+        inv_freq, self.attention_factor = _rope_frequencies(cfg)
+        # Kept as the int32 bit pattern of the fp32 frequencies: Module.to(bfloat16) casts float
+        # buffers, and bf16 frequencies put positions in the hundreds off by whole radians.
+        self.register_buffer("inv_freq_bits", inv_freq.view(torch.int32).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` int64 -> (cos, sin), each ``[T, 32]`` fp32."""
+        freqs = positions.float()[:, None] * self.inv_freq_bits.view(torch.float32)[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+
+def _rope_frequencies(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float]:
+    """(inv_freq ``[32]`` fp32, cos/sin attention factor), following transformers' YaRN."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    yarn = cfg.yarn
+    if not yarn:
+        return inv_freq, 1.0
+    factor = yarn["factor"]
+    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    elif attention_factor is None:
+        attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(yarn.get("beta_fast") or 32), correction_dim(yarn.get("beta_slow") or 1)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency (high-frequency dims), 0: interpolate
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention_factor)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate ``x [T, ..., 64]`` by cos/sin ``[T, 32]``.
+
+    Interleaved pairs (x0, x1), (x2, x3), ... come out de-interleaved (rotated evens, then odds),
+    as in transformers; q and k get the same permutation, so their dot products are unchanged.
+    """
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention in absorbed form; weights as in the checkpoint, absorbed per call."""
+
+    def __init__(self, cfg: DeepseekV3Config, kv_layer_id: int, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+        super().__init__()
+        self.cfg, self.kv_layer_id = cfg, kv_layer_id
+        fk = _factory(dtype, device)
+        h, d = cfg.num_attention_heads, cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False, **fk)
+        else:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False, **fk)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **fk)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **fk)
+        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, **fk)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, **fk)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **fk)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False, **fk)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
+        """x ``[T, D]`` -> ``[T, D]``; the backend writes this layer's latent KV rows ``[T, 576]``."""
+        cfg = self.cfg
+        h, nope, rope_dim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(-1, h, cfg.qk_head_dim).split([nope, rope_dim], dim=-1)  # [T, H, nope], [T, H, 64]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, rope_dim], dim=-1)  # [T, 512], [T, 64]
+        w_uk, w_uv = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
+        query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), apply_rope(q_rope, *rope, cfg.rope_interleave)], dim=-1)
+        kv_new = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, *rope, cfg.rope_interleave)], dim=-1)
+        out = backend.forward(query, kv_new, self.kv_layer_id, batch)  # [T, H, 512]
+        out = torch.einsum("thc,hvc->thv", out.to(x.dtype), w_uv)  # [T, H, v]
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+        super().__init__()
+        fk = _factory(dtype, device)
+        self.gate_proj = nn.Linear(hidden, inter, bias=False, **fk)
+        self.up_proj = nn.Linear(hidden, inter, bias=False, **fk)
+        self.down_proj = nn.Linear(inter, hidden, bias=False, **fk)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 routing (noaux_tc): sigmoid scores; e_score_correction_bias steers which
+    experts are chosen but not their weights; experts are picked from the topk_group groups whose
+    two best (biased) scores sum highest."""
+
+    def __init__(self, cfg: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, **_factory(dtype, device)))
+        nn.init.normal_(self.weight, std=0.02)
+        # fp32 as in the reference: bias steps are far below bf16 resolution at score ~1.
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64)."""
+        cfg = self.cfg
+        per_group = cfg.n_routed_experts // cfg.n_group
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts (one MLP each, as in the checkpoint) plus the shared experts."""
+
+    def __init__(self, cfg: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+        super().__init__()
+        fk = _factory(dtype, device)
+        self.gate = Router(cfg, **fk)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, **fk) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, **fk)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, D]`` -> ``[T, D]``."""
+        weights, ids = self.gate(x)
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=torch.float32, device=x.device).scatter_(1, ids, weights)
+        # Every expert runs on every token, weighted 0 where not chosen: no data-dependent shapes or
+        # host syncs, so it captures in CUDA graphs. Clarity over speed: meant for small models.
+        routed = sum(expert(x).float() * dense[:, e, None] for e, expert in enumerate(self.experts))
+        return routed.to(x.dtype) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is MoE per config.is_moe_layer.
+
+    layer_idx: position in the checkpoint (decides dense vs MoE); kv_layer_id: the KV pool layer
+    its attention reads and writes (the MTP layer uses 0 of the draft's own pool).
+    """
+
+    def __init__(
+        self, cfg: DeepseekV3Config, layer_idx: int, kv_layer_id: int, dtype: Optional[torch.dtype] = None, device: Any = None
+    ) -> None:
+        super().__init__()
+        fk = _factory(dtype, device)
+        self.self_attn = MLAttention(cfg, kv_layer_id, **fk)
+        self.mlp = MoE(cfg, **fk) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size, **fk)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
+        """x ``[T, D]``, rope (cos, sin) ``[T, 32]`` -> ``[T, D]``."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ------------------------------------------------------------------------------------- models
+class DeepseekV3Model(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's ``model.*``)."""
+
+    def __init__(self, cfg: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+        super().__init__()
+        fk = _factory(dtype, device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **fk)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, i, **fk) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The target model, built at any size from the config (randomly initialised; see loader).
+
+    forward(input_ids ``[T]`` int64, positions ``[T]`` int64, backend, batch) -> hidden ``[T, D]``
+    after the final norm, in the model dtype. Tokens of all requests are packed along T as the
+    batch describes; KV layer i of the backend's pool is decoder layer i.
+    """
+
+    def __init__(self, config: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config, dtype, device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config, device)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def num_attention_layers(self) -> int:
+        """KV layers the pool needs."""
+        return self.config.num_hidden_layers
+
+    def attn_spec(self) -> LayerSpec:
+        return LayerSpec(self.config.num_attention_heads, softmax_scale(self.config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
+        check_inputs(input_ids, positions, self.config.vocab_size)
+        rope = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, rope, backend, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""
+        return self.lm_head(hidden).float()

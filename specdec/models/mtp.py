@@ -1,0 +1,82 @@
+"""DeepSeek's MTP layer used as the EAGLE draft model."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from attn.base import AttnBatch, LayerSpec
+from specdec.models.config import DeepseekV3Config
+from specdec.models.deepseek import (
+    DecoderLayer, DeepseekV3ForCausalLM, RMSNorm, RotaryEmbedding, check_inputs, softmax_scale,
+)
+
+
+class SharedHead(nn.Module):
+    """The checkpoint's ``shared_head``: final norm and vocabulary projection of the MTP layer."""
+
+    def __init__(self, norm: RMSNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+
+class DeepseekMTP(nn.Module):
+    """enorm(embed(token)) ++ hnorm(hidden_in) -> eh_proj -> one decoder layer -> shared_head.norm.
+
+    forward(input_ids ``[T]``, positions ``[T]``, hidden_in ``[T, D]``, backend, batch) -> hidden
+    ``[T, D]`` after shared_head.norm: the hidden_in of the next draft step, and what
+    compute_logits reads. Token t at position p pairs with the hidden state that predicted it
+    (the target's, or the draft's own while drafting). Its attention is layer 0 of the draft's
+    own KV pool; the decoder layer is MoE or dense as layer ``num_hidden_layers`` of the config.
+
+    Embedding and head: ``embed_tokens`` / ``head`` modules passed in are shared; otherwise the
+    target's (``target=``) are shared; otherwise the layer gets its own (the public checkpoint
+    stores its own copies; see loader.load_mtp).
+    """
+
+    num_attention_layers = 1
+
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        target: Optional[DeepseekV3ForCausalLM] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Any = None,
+        *,
+        embed_tokens: Optional[nn.Embedding] = None,
+        head: Optional[nn.Linear] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        fk = {"dtype": dtype, "device": device}
+        d, eps = config.hidden_size, config.rms_norm_eps
+        if target is not None:
+            embed_tokens = target.embed_tokens if embed_tokens is None else embed_tokens
+            head = target.lm_head if head is None else head
+        if embed_tokens is None:
+            embed_tokens = nn.Embedding(config.vocab_size, d, **fk)
+        if head is None:
+            head = nn.Linear(d, config.vocab_size, bias=False, **fk)
+        self.embed_tokens = embed_tokens
+        self.enorm = RMSNorm(d, eps, **fk)
+        self.hnorm = RMSNorm(d, eps, **fk)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False, **fk)
+        self.layer = DecoderLayer(config, layer_idx=config.num_hidden_layers, kv_layer_id=0, **fk)
+        self.shared_head = SharedHead(RMSNorm(d, eps, **fk), head)
+        self.rotary = RotaryEmbedding(config, device)
+
+    def attn_spec(self) -> LayerSpec:
+        return LayerSpec(self.config.num_attention_heads, softmax_scale(self.config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
+        check_inputs(input_ids, positions, self.config.vocab_size)
+        if hidden_in.shape != (input_ids.shape[0], self.config.hidden_size):
+            raise ValueError(f"hidden_in must be [T={input_ids.shape[0]}, {self.config.hidden_size}]; got {tuple(hidden_in.shape)}")
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden_in)], dim=-1))
+        return self.shared_head.norm(self.layer(x, self.rotary(positions), backend, batch))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""
+        return self.shared_head.head(hidden).float()
