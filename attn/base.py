@@ -67,7 +67,6 @@ class AttnBatch:
     uniform_q_len: every request has exactly ``max_q_len`` query tokens.
     custom_mask: ``[B, max_q_len, M]`` bool or None: visibility of the last M kv positions of each
         request (earlier positions are always visible). None means causal.
-    seq_lens_cpu: host copy of ``seq_lens``; only backends with ``needs_cpu_seq_lens`` read it.
     """
 
     mode: ForwardMode
@@ -78,7 +77,6 @@ class AttnBatch:
     max_q_len: int
     uniform_q_len: bool
     custom_mask: Optional[torch.Tensor] = None
-    seq_lens_cpu: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -108,7 +106,7 @@ class AttentionBackend(Protocol):
     """
 
     name: str
-    needs_cpu_seq_lens: bool  # False: never reads seq_lens_cpu, a spec step stays sync-free
+    needs_cpu_seq_lens: bool  # True: plans from kv lengths on the host (a sync per pass); False: sync-free
     supports_tree_mask: bool  # can attend with a custom (topk > 1) tree mask
     supports_cuda_graph: bool
 

@@ -25,19 +25,17 @@ def uniform_batch(
     q_len: int,
     seq_lens: torch.Tensor,
     custom_mask: Optional[torch.Tensor] = None,
-    seq_lens_cpu: Optional[torch.Tensor] = None,
 ) -> AttnBatch:
     """A pass with ``q_len`` new tokens per request, stored at kv indices
     ``first_index .. first_index + q_len - 1`` of each request.
 
-    rows: ``[B]`` int64 req_to_token rows; first_index / seq_lens: ``[B]`` int64 (device);
-    seq_lens_cpu: the same lengths from host bookkeeping, for backends that plan on the host.
+    rows: ``[B]`` int64 req_to_token rows; first_index / seq_lens: ``[B]`` int64 (device).
     """
     device = rows.device
     offsets = torch.arange(q_len, device=device)
     out_cache_loc = req_to_token[rows[:, None], first_index[:, None] + offsets[None, :]].flatten().long()
     cu = torch.arange(0, (rows.shape[0] + 1) * q_len, q_len, dtype=torch.int32, device=device)
-    return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask, seq_lens_cpu)
+    return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask)
 
 
 def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int]) -> AttnBatch:
@@ -54,5 +52,4 @@ def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int],
     seq_lens = torch.tensor([s + n for s, n in zip(starts, lengths)], dtype=torch.int32)
     return AttnBatch(
         ForwardMode.EXTEND, row_t, seq_lens.to(device), out_cache_loc, cu, max(lengths), False,
-        seq_lens_cpu=seq_lens,
     )

@@ -111,7 +111,6 @@ class EagleWorker:
         self.draft_backend = MultiStepDraftBackend(classes["draft"], dview, draft.attn_spec(), bs, steps, topk)
         self.draft_prefill_backend = classes["prefill"](dview, draft.attn_spec(), bs, steps + 1)
         self.draft_extend_backend = classes["draft_extend"](dview, draft.attn_spec(), bs, steps + 1)
-        self._plans_on_host = any(cls.needs_cpu_seq_lens for cls in classes.values())
         self.requests: list[Request] = []
         self.state: Optional[DecodeState] = None
         self.last_tree: Optional[VerifyTree] = None  # the tree verified by the last step, for inspection
@@ -252,12 +251,12 @@ class EagleWorker:
         if not self.requests:
             raise RuntimeError("no running requests: add_requests first")
         self._reserve_pages()
-        st, target_rows, draft_rows, host_n = self.step_inputs()
+        st, target_rows, draft_rows = self.step_inputs()
         out = None
         if self.graph_runner is not None:
             out = self.graph_runner.run({"target_rows": target_rows, "draft_rows": draft_rows, **vars(st)})
         if out is None:
-            out = self.spec_pass(st, target_rows, draft_rows, host_n)
+            out = self.spec_pass(st, target_rows, draft_rows)
         result, self.state, self.last_tree = out
         return result
 
@@ -281,26 +280,22 @@ class EagleWorker:
     def state_from(tensors: dict[str, torch.Tensor]) -> DecodeState:
         return DecodeState(**{name: tensors[name] for name in DecodeState.__dataclass_fields__})
 
-    def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(state, target rows ``[B]``, draft rows ``[B]``, host N ``[B]`` or None) of the running batch."""
+    def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
+        """(state, target rows ``[B]``, draft rows ``[B]``) of the running batch."""
         target_rows = host_to_device([r.target_row for r in self.requests], self.device)
         draft_rows = host_to_device([r.draft_row for r in self.requests], self.device)
-        host_n = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32) if self._plans_on_host else None
-        return self.state, target_rows, draft_rows, host_n
+        return self.state, target_rows, draft_rows
 
     @torch.inference_mode()
     def spec_pass(
-        self, st: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor, host_n: Optional[torch.Tensor] = None
+        self, st: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor
     ) -> tuple[AcceptResult, DecodeState, VerifyTree]:
-        """draft -> tree -> verify -> accept -> KV commit -> draft-extend; device work only.
-
-        host_n: N per request on the host, only for backends that plan on the host.
-        """
-        tree = self.draft_tree(st, draft_rows, host_n)
-        logits, hidden = self.verify(st, tree, target_rows, host_n)
+        """draft -> tree -> verify -> accept -> KV commit -> draft-extend; device work only."""
+        tree = self.draft_tree(st, draft_rows)
+        logits, hidden = self.verify(st, tree, target_rows)
         result = self.accept(st, tree, logits)
         self.commit_kv(st, result, target_rows)
-        return result, self.draft_extend(st, result, hidden, draft_rows, host_n), tree
+        return result, self.draft_extend(st, result, hidden, draft_rows), tree
 
     def _reserve_pages(self) -> None:
         """Pages for the verify tree and the draft region past each request's prefix."""
@@ -309,7 +304,7 @@ class EagleWorker:
             self.target_pool.ensure_capacity(req.target_row, req.seq_len + cfg.num_draft_tokens)
             self.draft_pool.ensure_capacity(req.draft_row, req.seq_len + self.draft_offset + cfg.draft_region_len)
 
-    def draft_tree(self, st: DecodeState, rows: torch.Tensor, host_n: Optional[torch.Tensor] = None) -> VerifyTree:
+    def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
 
         Forward j feeds the ``topk`` frontier tokens (depth j) at draft position N + off + j - 1,
@@ -322,7 +317,7 @@ class EagleWorker:
         draft_len = st.seq_lens + off
         batches = [
             uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, draft_len + (j - 1) * topk, topk,
-                          draft_len + j * topk, None if topk == 1 else mask[:bs], _plus(host_n, off + j * topk))
+                          draft_len + j * topk, None if topk == 1 else mask[:bs])
             for j, mask in zip(range(1, cfg.num_steps), self.draft_backend.tree_masks())
         ]
         if batches:
@@ -347,14 +342,14 @@ class EagleWorker:
         return tree.build(st.root, cfg.num_draft_tokens, cfg.num_steps, mask_buf)
 
     def verify(
-        self, st: DecodeState, tree: VerifyTree, rows: torch.Tensor, host_n: Optional[torch.Tensor] = None
+        self, st: DecodeState, tree: VerifyTree, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward over the tree at kv indices N..N+ndt-1. Returns (logits ``[B, ndt, V]``
         fp32, hidden ``[B, ndt, D]``)."""
         ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
         batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows,
-                              st.seq_lens, ndt, st.seq_lens + ndt, mask, _plus(host_n, ndt))
+                              st.seq_lens, ndt, st.seq_lens + ndt, mask)
         positions = (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = self._forward_target(tree.tokens.flatten(), positions, self.verify_backend, batch)
         logits = self.target.compute_logits(hidden)
@@ -384,15 +379,14 @@ class EagleWorker:
             flat.index_copy_(0, dst, flat[src])
 
     def draft_extend(
-        self, st: DecodeState, result: AcceptResult, verify_hidden: torch.Tensor, rows: torch.Tensor,
-        host_n: Optional[torch.Tensor] = None,
+        self, st: DecodeState, result: AcceptResult, verify_hidden: torch.Tensor, rows: torch.Tensor
     ) -> DecodeState:
         """Draft over the accepted tokens + bonus (num_steps + 1 rows per request, the first
         accept_len + 1 real); returns the next state (root, N, draft hidden, first candidates)."""
         q_len = self.config.num_steps + 1
         draft_len = st.seq_lens + self.draft_offset
         batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, draft_len, q_len,
-                              draft_len + q_len, seq_lens_cpu=_plus(host_n, self.draft_offset + q_len))
+                              draft_len + q_len)
         ids = result.emitted.clamp(min=0)
         positions = (draft_len[:, None] + torch.arange(q_len, device=self.device)).flatten()
         hidden_in = verify_hidden.gather(1, result.path[:, :, None].expand(-1, -1, verify_hidden.shape[-1]))
@@ -428,10 +422,6 @@ class EagleWorker:
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
         return StepStats(accept_lens, total)
-
-
-def _plus(host: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
-    return None if host is None else host + extra
 
 
 def _ragged_arange(lengths: list[int]) -> torch.Tensor:

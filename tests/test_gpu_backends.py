@@ -45,7 +45,7 @@ def _uniform(mode, q_len):
         rows_t = torch.tensor(rows, device="cuda")
         start = torch.tensor(lens, device="cuda") - q_len
         seq = torch.tensor(lens, device="cuda")
-        return uniform_batch(mode, pool.req_to_token, rows_t, start, q_len, seq, seq_lens_cpu=torch.tensor(lens, dtype=torch.int32))
+        return uniform_batch(mode, pool.req_to_token, rows_t, start, q_len, seq)
     return make
 
 

@@ -69,7 +69,7 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
     for _ in range(2):  # a couple of steps so states differ per request
         worker.step()
     worker._reserve_pages()
-    st, trows, drows, _ = worker.step_inputs()
+    st, trows, drows = worker.step_inputs()
     live = {"target_rows": trows, "draft_rows": drows, **vars(st)}
     padded = _pad(live, 4)
     eager = worker.spec_pass(worker.state_from(padded), padded["target_rows"], padded["draft_rows"])
