@@ -8,7 +8,7 @@ import torch
 
 from attn.base import ForwardMode
 from attn.registry import get_backend_class
-from specdec.batch import extend_batch, uniform_batch
+from specdec.batch import extend_batch, ragged_arange, uniform_batch
 from specdec.kv import MLAKVPool
 
 
@@ -37,7 +37,7 @@ def greedy_generate(
     batch = extend_batch(pool.req_to_token, rows, [0] * len(prompts), lens)
     attn.init_forward_metadata(batch)
     ids = torch.tensor([t for p in prompts for t in p], device=device)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    positions = ragged_arange(lens).to(device)
     hidden = model(ids, positions, attn, batch)
     token = model.compute_logits(hidden[batch.cu_seqlens_q[1:].long() - 1]).argmax(-1)
     out = [token]

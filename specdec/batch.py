@@ -9,6 +9,11 @@ import torch
 from attn.base import AttnBatch, ForwardMode
 
 
+def ragged_arange(lengths: list[int]) -> torch.Tensor:
+    """``[0..n0), [0..n1), ...`` concatenated (host): positions of packed prefill tokens."""
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
 def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """A host list on the device without a synchronising copy (pinned staging, non-blocking)."""
     host = torch.tensor(values, dtype=dtype)
@@ -45,7 +50,7 @@ def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int],
     """
     device = req_to_token.device
     row_t = torch.tensor(rows, dtype=torch.long, device=device)
-    index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+    index = (torch.repeat_interleave(torch.tensor(starts), torch.tensor(lengths)) + ragged_arange(lengths)).to(device)
     row_of_token = torch.repeat_interleave(row_t, torch.tensor(lengths, device=device))
     out_cache_loc = req_to_token[row_of_token, index].long()
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)

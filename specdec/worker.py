@@ -19,10 +19,11 @@ from attn.base import AttnBatch, ForwardMode
 from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device
-from specdec.batch import extend_batch, host_to_device, uniform_batch
+from specdec.batch import extend_batch, host_to_device, ragged_arange, uniform_batch
 from specdec.config import SpecConfig
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
+from specdec.models import validate_token_ids
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample
 from specdec.tree import DraftTree, VerifyTree, topk_probs
 from specdec.verify import AcceptResult, greedy_accept
@@ -142,9 +143,7 @@ class EagleWorker:
         for prompt in prompts:
             if not prompt:
                 raise ValueError("empty prompt: a request needs at least one token")
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+            validate_token_ids(prompt, vocab)
             if len(prompt) + max_new_tokens + headroom > cfg.max_context_len:
                 raise ValueError(
                     f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + {headroom} spec headroom "
@@ -194,9 +193,9 @@ class EagleWorker:
         dev, off = self.device, self.draft_offset
         lens = [len(r.prompt) for r in new]
         ids = torch.tensor([t for r in new for t in r.prompt], device=dev)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        positions = ragged_arange(lens).to(dev)
         batch = extend_batch(self.target_pool.req_to_token, [r.target_row for r in new], [0] * len(new), lens)
-        hidden = self._forward_target(ids, positions, self.target_prefill_backend, batch)
+        hidden = self._forward(self.target, self.target_prefill_backend, batch, ids, positions)
         last = batch.cu_seqlens_q[1:].long() - 1
         params = self._sampling_tensors(new)
         probs = target_probs(self.target.compute_logits(hidden[last]), *params[:3])
@@ -206,14 +205,14 @@ class EagleWorker:
         starts = torch.tensor([0] + lens).cumsum(0)[:-1]
         seq = torch.empty(ids.shape[0] + len(new), dtype=ids.dtype, device=dev)
         shift = torch.arange(len(new))
-        seq[(torch.repeat_interleave(starts + shift, torch.tensor(lens)) + _ragged_arange(lens)).to(dev)] = ids
+        seq[(torch.repeat_interleave(starts + shift, torch.tensor(lens)) + ragged_arange(lens)).to(dev)] = ids
         seq[(starts + shift + torch.tensor(lens)).to(dev)] = root
         keep = torch.cat([torch.arange(1 - off, n + 1) + s + k for k, (s, n) in enumerate(zip(starts.tolist(), lens))])
         draft_ids = seq[keep.to(dev)]
         draft_lens = [n + off for n in lens]
-        draft_positions = torch.cat([torch.arange(n) for n in draft_lens]).to(dev)
+        draft_positions = ragged_arange(draft_lens).to(dev)
         dbatch = extend_batch(self.draft_pool.req_to_token, [r.draft_row for r in new], [0] * len(new), draft_lens)
-        dhidden = self._forward_draft(draft_ids, draft_positions, hidden if off == 0 else None, self.draft_prefill_backend, dbatch)
+        dhidden = self._forward(self.draft, self.draft_prefill_backend, dbatch, draft_ids, draft_positions, hidden if off == 0 else None)
         dlast = dbatch.cu_seqlens_q[1:].long() - 1
         cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk, params[0])
         for req, n in zip(new, lens):
@@ -231,14 +230,11 @@ class EagleWorker:
             torch.tensor([r.sampling.seed for r in reqs], dtype=torch.long, device=dev),
         )
 
-    def _forward_target(self, ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
+    @staticmethod
+    def _forward(model: torch.nn.Module, backend, batch: AttnBatch, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
+        """Build the pass's attention metadata, then run ``model(*inputs, backend, batch)``."""
         backend.init_forward_metadata(batch)
-        return self.target(ids, positions, backend, batch)
-
-    def _forward_draft(self, ids: torch.Tensor, positions: torch.Tensor, hidden: Optional[torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
-        if backend is not None:
-            backend.init_forward_metadata(batch)
-        return self.draft(ids, positions, hidden, backend, batch)
+        return model(*inputs, backend, batch)
 
     # ----------------------------------------------------------------- step
     def step(self) -> StepStats:
@@ -351,7 +347,7 @@ class EagleWorker:
         batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows,
                               st.seq_lens, ndt, st.seq_lens + ndt, mask)
         positions = (st.seq_lens[:, None] + tree.depth).flatten()
-        hidden = self._forward_target(tree.tokens.flatten(), positions, self.verify_backend, batch)
+        hidden = self._forward(self.target, self.verify_backend, batch, tree.tokens.flatten(), positions)
         logits = self.target.compute_logits(hidden)
         return logits.view(-1, ndt, logits.shape[-1]), hidden.view(-1, ndt, hidden.shape[-1])
 
@@ -390,7 +386,7 @@ class EagleWorker:
         ids = result.emitted.clamp(min=0)
         positions = (draft_len[:, None] + torch.arange(q_len, device=self.device)).flatten()
         hidden_in = verify_hidden.gather(1, result.path[:, :, None].expand(-1, -1, verify_hidden.shape[-1]))
-        out = self._forward_draft(ids.flatten(), positions, hidden_in.flatten(0, 1), self.draft_extend_backend, batch)
+        out = self._forward(self.draft, self.draft_extend_backend, batch, ids.flatten(), positions, hidden_in.flatten(0, 1))
         dim = out.shape[-1]
         last = out.view(-1, q_len, dim).gather(1, result.accept_len[:, None, None].expand(-1, 1, dim)).squeeze(1)
         cand = topk_probs(self.draft.compute_logits(last), self.config.topk, st.temperature)
@@ -422,11 +418,6 @@ class EagleWorker:
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
         return StepStats(accept_lens, total)
-
-
-def _ragged_arange(lengths: list[int]) -> torch.Tensor:
-    """``[0..n0), [0..n1), ...`` concatenated (host)."""
-    return torch.cat([torch.arange(n) for n in lengths])
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
