@@ -15,6 +15,7 @@ import torch
 
 from attn.base import KV_DIM, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec
 from attn.reference import token_to_request
+from attn.workspace import get_workspace
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
@@ -82,8 +83,6 @@ class PagedMLABackend:
         self.workspace = self._allocate_workspace()
 
     def _allocate_workspace(self) -> Optional[torch.Tensor]:
-        from attn.workspace import get_workspace
-
         if self.workspace_bytes == 0:
             return None
         return get_workspace(self.kernel_family, self.workspace_bytes, self.kv.device)

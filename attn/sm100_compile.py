@@ -306,6 +306,23 @@ def _bind(compile_fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict:
     return dict(bound.arguments)
 
 
+def _capture_variant(library: str, launch: Callable[[], Any], unsupported_marker: str, missed: str) -> KernelVariant:
+    """Run a library entry point under the spies and return the kernel variant it asked for.
+
+    A ValueError containing ``unsupported_marker`` is the library rejecting the configuration
+    (:class:`KernelUnsupportedError`); returning without asking for a kernel is an error (``missed``).
+    """
+    try:
+        launch()
+    except _Captured as captured:
+        return KernelVariant(library, captured.compile_fn, _bind(captured.compile_fn, captured.args_, captured.kwargs_))
+    except ValueError as exc:
+        if unsupported_marker in str(exc):
+            raise KernelUnsupportedError(str(exc)) from exc
+        raise
+    raise RuntimeError(missed)
+
+
 def _check_shape_args(
     num_heads: int, q_len: int, page_size: int, kv_dtype: torch.dtype, batch_size: int,
     max_seq_len: int,
@@ -392,8 +409,9 @@ def tokenspeed_decode_variant(
     mla_decode = _import("tokenspeed_mla.mla_decode", "tokenspeed-mla")
     inputs = _host_inputs(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
     with fake_b200(device), _spy_on(mla_decode, "_get_compiled_mla_kernel"):
-        try:
-            tokenspeed_mla.tokenspeed_mla_decode(
+        return _capture_variant(
+            "tokenspeed_mla",
+            lambda: tokenspeed_mla.tokenspeed_mla_decode(
                 **inputs,
                 kv_lora_rank=KV_LORA_RANK,
                 qk_rope_head_dim=QK_ROPE_HEAD_DIM,
@@ -401,21 +419,11 @@ def tokenspeed_decode_variant(
                 softmax_scale=1.0 / math.sqrt(QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM),
                 output_scale=1.0,
                 enable_pdl=enable_pdl,
-            )
-        except _Captured as captured:
-            return KernelVariant(
-                "tokenspeed_mla",
-                captured.compile_fn,
-                _bind(captured.compile_fn, captured.args_, captured.kwargs_),
-            )
-        except ValueError as exc:
-            if "unsupported configuration" in str(exc):
-                raise KernelUnsupportedError(str(exc)) from exc
-            raise
-    raise RuntimeError(
-        "tokenspeed_mla_decode returned without calling mla_decode._get_compiled_mla_kernel; "
-        "the library's compile path changed, update attn/sm100_compile.py"
-    )
+            ),
+            unsupported_marker="unsupported configuration",
+            missed="tokenspeed_mla_decode returned without calling mla_decode._get_compiled_mla_kernel; "
+            "the library's compile path changed, update attn/sm100_compile.py",
+        )
 
 
 def cutedsl_decode_variant(
@@ -471,8 +479,9 @@ def cutedsl_decode_variant(
         stack.enter_context(mock.patch.object(monolithic, "get_compute_capability", capability))
         stack.enter_context(_spy_on(monolithic, "_get_compiled_mla_kernel"))
         stack.enter_context(_spy_on(modular, "_compile_mla_kernel"))
-        try:
-            core.trtllm_batch_decode_with_kv_cache_mla(
+        return _capture_variant(
+            "flashinfer",
+            lambda: core.trtllm_batch_decode_with_kv_cache_mla(
                 **inputs,
                 qk_nope_head_dim=QK_NOPE_HEAD_DIM,
                 kv_lora_rank=KV_LORA_RANK,
@@ -482,21 +491,11 @@ def cutedsl_decode_variant(
                 bmm2_scale=1.0,
                 backend="cute-dsl",
                 cute_dsl_impl=cute_dsl_impl,
-            )
-        except _Captured as captured:
-            return KernelVariant(
-                "flashinfer",
-                captured.compile_fn,
-                _bind(captured.compile_fn, captured.args_, captured.kwargs_),
-            )
-        except ValueError as exc:
-            if "cute-dsl backend" in str(exc):
-                raise KernelUnsupportedError(str(exc)) from exc
-            raise
-    raise RuntimeError(
-        "trtllm_batch_decode_with_kv_cache_mla(backend='cute-dsl') returned without calling a "
-        "known cute-dsl compile function; update attn/sm100_compile.py"
-    )
+            ),
+            unsupported_marker="cute-dsl backend",
+            missed="trtllm_batch_decode_with_kv_cache_mla(backend='cute-dsl') returned without calling a "
+            "known cute-dsl compile function; update attn/sm100_compile.py",
+        )
 
 
 def compile_tokenspeed_decode(
