@@ -106,7 +106,7 @@ class AttentionBackend(Protocol):
     """
 
     name: str
-    needs_cpu_seq_lens: bool  # True: plans from kv lengths on the host (a sync per pass); False: sync-free
+    needs_cpu_seq_lens: bool  # True: plans from host kv lengths (eager: a sync per pass); False: sync-free
     supports_tree_mask: bool  # can attend with a custom (topk > 1) tree mask
     supports_cuda_graph: bool
 
@@ -120,13 +120,14 @@ class AttentionBackend(Protocol):
         """
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the static metadata buffers graphs capture against (largest sizes)."""
+        """Allocate the static metadata buffers graphs capture against (largest sizes). From then
+        on init_forward_metadata writes into them, so it is captured with the pass it serves."""
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: AttnBatch) -> None:
-        """Metadata for a capture: like init_forward_metadata but into the static buffers."""
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: AttnBatch) -> None:
-        """Refresh the static buffers in place for a replay of a graph captured at this shape."""
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, seq_lens: torch.Tensor, q_len: int) -> None:
+        """Before a capture or replay of a pass over ``bs`` requests: host planning from host kv
+        lengths ``seq_lens`` (``[bs]`` int32, new tokens included) and ``q_len`` query tokens each.
+        Only ``needs_cpu_seq_lens`` backends do work here; the others build their metadata on the
+        device inside the graph."""
 
     def get_verify_buffers_to_fill_after_draft(self) -> list[Optional[torch.Tensor]]:
         """Preallocated buffers the tree builder writes in place: ``[tree_mask or None]``."""

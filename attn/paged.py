@@ -118,11 +118,8 @@ class PagedMLABackend:
             max_seq_len=self.max_pages * self.page_size,
         )
 
-    def init_forward_metadata_capture_cuda_graph(self, batch: AttnBatch) -> None:
-        self.init_forward_metadata(batch)
-
-    def init_forward_metadata_replay_cuda_graph(self, batch: AttnBatch) -> None:
-        self.init_forward_metadata(batch)
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, seq_lens: torch.Tensor, q_len: int) -> None:
+        """Nothing to plan on the host: the metadata is built on the device inside the graph."""
 
     def get_verify_buffers_to_fill_after_draft(self) -> list[Optional[torch.Tensor]]:
         return [self.tree_mask]

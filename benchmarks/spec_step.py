@@ -2,9 +2,10 @@
 
     python benchmarks/spec_step.py --out benchmarks/spec_step.png
 
-Per backend and batch size: step time eager and with graphs, host (launch) time per step, host
-syncs per step, mean accept length, tokens/s with spec decoding (graphs where supported) and
-target-only; then graph capture time and memory. Uses the identity draft (the target as its own
+Per backend and batch size: step time eager and with graphs, host time per step (launch: pages,
+inputs, host plans, replays; finish: the bookkeeping after the step's one copy to the host),
+host syncs per step, mean accept length, tokens/s with spec decoding (graphs where supported) and
+target-only (graphed where the spec step is); then graph capture time and memory. Uses the identity draft (the target as its own
 standalone draft) so every step accepts num_steps tokens and the numbers show the machinery's
 cost, not a draft model's quality. Prints a table, writes CSV and a PNG.
 """
@@ -37,8 +38,8 @@ def bench_model() -> DeepseekV3ForCausalLM:
 
 
 def max_new_tokens(steps: int) -> int:
-    """Room for warm-up, timed and sync-counting steps at 4 tokens a step (num_steps 3)."""
-    return 4 * (steps + 5)
+    """Room for warm-up, timed, host-timed and sync-counting steps at 4 tokens a step (num_steps 3)."""
+    return 4 * (2 * steps + 5)
 
 
 def count_syncs(fn) -> int:
@@ -59,22 +60,28 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
     for _ in range(3):
         worker.step()
     torch.cuda.synchronize()
-    host, accept, emitted = 0.0, [], 0
+    accept, emitted = [], 0
     start = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
-        result = worker.launch_step()
-        host += time.perf_counter() - t0  # launch time: the GPU runs behind
-        stats = worker.finish_step(result)
+        stats = worker.step()
         accept += stats.accept_lens
         emitted += stats.num_emitted
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    launch = finish = 0.0
+    for _ in range(steps):  # host work alone: the GPU is drained before the bookkeeping is timed
+        t0 = time.perf_counter()
+        result = worker.launch_step()
+        launch += time.perf_counter() - t0
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        worker.finish_step(result)
+        finish += time.perf_counter() - t0
     syncs = count_syncs(worker.step)
     for req in list(worker.requests):
         worker._release(req)
     worker.requests, worker.state = [], None
-    return {"step_ms": wall / steps * 1e3, "host_us": host / steps * 1e6, "syncs": syncs,
+    return {"step_ms": wall / steps * 1e3, "launch_us": launch / steps * 1e6, "finish_us": finish / steps * 1e6, "syncs": syncs,
             "accept": sum(accept) / len(accept), "tok_s": emitted / wall}
 
 
@@ -103,12 +110,29 @@ def main() -> None:
                 continue
             rows.append(row)
             print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        if backend != "torch_ref":
+            capture_all(target, backend, max(batch_sizes), args.prompt_len)
     _report(rows, args.out)
 
 
 @torch.inference_mode()
+def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
+    """Capture every default bucket up to max_bs (3 graphs each); prints time and pool memory."""
+    from graphs.runner import GraphRunner
+
+    cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
+                     max_batch_size=max_bs, max_context_len=64 * ((prompt_len + 256) // 64))
+    worker = EagleWorker(target, StandaloneDraft(target), cfg)
+    before = torch.cuda.memory_allocated()
+    runner = GraphRunner(worker, progress=False)
+    print(f"# {backend}: captured {3 * len(runner.buckets)} graphs for buckets {runner.buckets} in "
+          f"{runner.capture_seconds:.2f} s, {(torch.cuda.memory_allocated() - before) / 2**20:.0f} MiB", flush=True)
+
+
+@torch.inference_mode()
 def run_one(target, backend: str, bs: int, cfg: SpecConfig, prompts: list[list[int]], steps: int) -> dict:
-    """One table row: eager and graph steps, capture cost, and target-only (eager) decoding."""
+    """One table row: eager and graph steps, capture cost, and target-only decoding (graphed
+    when the spec step is)."""
     from graphs.runner import GraphRunner
 
     eager = time_steps(EagleWorker(target, StandaloneDraft(target), cfg), prompts, steps)
@@ -121,18 +145,27 @@ def run_one(target, backend: str, bs: int, cfg: SpecConfig, prompts: list[list[i
         graph = time_steps(worker, prompts, steps)
     except ValueError as err:
         print(f"# {backend}: no graphs ({err})")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n_new = 32
-    greedy_generate(target, prompts, n_new, backend=backend, page_size=64)
-    torch.cuda.synchronize()
     best = graph or eager
     return {
         "backend": backend, "batch": bs, "eager_ms": eager["step_ms"], "graph_ms": graph["step_ms"] if graph else float("nan"),
         "speedup": eager["step_ms"] / graph["step_ms"] if graph else float("nan"),
-        "host_us": best["host_us"], "syncs": best["syncs"], "accept": best["accept"], "spec_tok_s": best["tok_s"],
-        "target_tok_s": bs * n_new / (time.perf_counter() - t0), "capture_s": capture_s, "capture_MiB": capture_mb,
+        "launch_us": best["launch_us"], "finish_us": best["finish_us"], "host_us": best["launch_us"] + best["finish_us"],
+        "syncs": best["syncs"], "accept": best["accept"], "spec_tok_s": best["tok_s"],
+        "target_tok_s": target_only_tok_s(target, prompts, backend, graph is not None), "capture_s": capture_s, "capture_MiB": capture_mb,
     }
+
+
+def target_only_tok_s(target, prompts: list[list[int]], backend: str, cuda_graph: bool) -> float:
+    """Decode tokens/s of target-only greedy decoding: two runs that differ by 32 decode steps
+    (prefill, warm-up and capture cancel out), after a warm-up run."""
+    seconds = {}
+    for n in (8, 8, 40):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        greedy_generate(target, prompts, n, backend=backend, page_size=64, cuda_graph=cuda_graph)
+        torch.cuda.synchronize()
+        seconds[n] = time.perf_counter() - t0
+    return len(prompts) * 32 / (seconds[40] - seconds[8])
 
 
 def _report(rows: list[dict], out: str) -> None:

@@ -83,7 +83,8 @@ class Measurement:
 
 def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[list[int]], args: argparse.Namespace,
             device: torch.device, backend: str) -> tuple[Measurement, SpecConfig]:
-    """Decode prompts target-only (greedy) and with spec decoding, each after a warm-up."""
+    """Decode prompts target-only (greedy) and with spec decoding, each after a warm-up; both
+    with CUDA graphs when asked (the baseline captures one decode step)."""
     context = 64 * ((max(map(len, prompts)) + args.max_new_tokens + 4 * args.num_steps * max(args.topk, 2) + 63) // 64)
     cfg = SpecConfig(
         num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, attention_backend=backend,
@@ -92,10 +93,11 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
     )
     sampling = [SamplingParams(temperature=args.temperature, seed=i) for i in range(len(prompts))]
     with torch.inference_mode():
-        greedy_generate(target, prompts, 2, backend=backend, page_size=cfg.page_size)  # warm-up: JIT, allocator
+        graphs = {"backend": backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph}
+        greedy_generate(target, prompts, 3, **graphs)  # warm-up: JIT, allocator
         _sync(device)
         start = time.perf_counter()
-        baseline = greedy_generate(target, prompts, args.max_new_tokens, backend=backend, page_size=cfg.page_size)
+        baseline = greedy_generate(target, prompts, args.max_new_tokens, **graphs)
         _sync(device)
         base_s = time.perf_counter() - start
 

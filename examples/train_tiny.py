@@ -9,7 +9,11 @@ out for evaluation by a hash of its path below the stdlib root, the same rule on
 Target: next-byte cross-entropy. Draft (``DeepseekMTP``, sharing the frozen target's embedding
 and head): position p gets byte t_{p+1} and the target's final hidden state h_p and learns the
 target's distribution at p + 1 (over t_{p+2}), while its output hidden state regresses onto
-h_{p+1} as in EAGLE, since later draft steps are fed that state in place of the target's.
+h_{p+1} as in EAGLE, since later draft steps are fed that state in place of the target's. A
+second, unrolled pass trains exactly that: position p + 1 gets t_{p+2} and the draft's own output
+o_p and learns the target's distribution at p + 2.
+
+``--init-from DIR`` keeps DIR's target and continues training its draft layer.
 
 Writes config.json + model.safetensors (bf16, MTP layer included) to ``--out``.
 """
@@ -106,8 +110,12 @@ class Trainer:
         self.eval_data = load_bytes(stdlib_files(heldout=True)).to(device)
         print(f"stdlib bytes: {self.train_data.numel() / 1e6:.1f} MB training, {self.eval_data.numel() / 1e6:.2f} MB held out")
         torch.manual_seed(0)
-        self.target = DeepseekV3ForCausalLM(tiny_config()).to(device)
-        self.mtp = DeepseekMTP(self.target.config, target=self.target).to(device)
+        if args.init_from:
+            self.target = load_deepseek(args.init_from, torch.float32, device)
+            self.mtp = load_mtp(args.init_from, torch.float32, device, target=self.target)
+        else:
+            self.target = DeepseekV3ForCausalLM(tiny_config()).to(device)
+            self.mtp = DeepseekMTP(self.target.config, target=self.target).to(device)
         self.attn = DenseCausalAttention(self.target.attn_spec().sm_scale)
         self.positions = torch.arange(args.seq_len, device=device).repeat(args.batch_size)  # [B * L]
         self.generator = torch.Generator(device).manual_seed(0)
@@ -121,20 +129,27 @@ class Trainer:
             hidden = self.target(x[:, :-1].flatten(), self.positions, self.attn, x.shape[0])
             return F.cross_entropy(self.target.compute_logits(hidden), x[:, 1:].flatten())
 
-    def mtp_losses(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(soft cross-entropy vs the target, hidden regression, top-1 agreement) on windows x ``[B, L + 1]``.
+    def mtp_losses(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(soft cross-entropy vs the target, hidden regression, top-1 agreement, and the unrolled
+        second step's cross-entropy and agreement) on windows x ``[B, L + 1]``.
 
-        Draft position p: byte t_{p+1} and target hidden h_p in, target's distribution at p + 1 out."""
+        Draft position p: byte t_{p+1} and target hidden h_p in, target's distribution at p + 1 out.
+        Unrolled: position p + 1 gets t_{p+2} and the draft's own o_p, target's distribution at p + 2 out."""
         b, n = x.shape[0], x.shape[1] - 1
         with self.autocast():
             with torch.no_grad():
                 h = self.target(x[:, :-1].flatten(), self.positions, self.attn, b).view(b, n, -1)  # h_0 .. h_{L-1}
                 want = self.target.compute_logits(h[:, 1:]).softmax(-1)  # [B, L - 1, V]: over t_2 .. t_L
-            out = self.mtp(x[:, 1:].flatten(), self.positions, h.flatten(0, 1), self.attn, b).view(b, n, -1)[:, :-1]
-            logits = self.mtp.compute_logits(out)
+            out = self.mtp(x[:, 1:].flatten(), self.positions, h.flatten(0, 1), self.attn, b).view(b, n, -1)
+            logits = self.mtp.compute_logits(out[:, :-1])
             ce = F.cross_entropy(logits.flatten(0, 1), want.flatten(0, 1))
-            reg = F.smooth_l1_loss(out.float(), h[:, 1:].float())
-        return ce, reg, (logits.argmax(-1) == want.argmax(-1)).float().mean()
+            reg = F.smooth_l1_loss(out[:, :-1].float(), h[:, 1:].float())
+            positions = torch.arange(1, n, device=x.device).repeat(b)
+            out2 = self.mtp(x[:, 2:].flatten(), positions, out[:, :-1].flatten(0, 1), self.attn, b).view(b, n - 1, -1)
+            logits2 = self.mtp.compute_logits(out2[:, :-1])  # draft positions 1 .. L - 2
+            ce2 = F.cross_entropy(logits2.flatten(0, 1), want[:, 1:].flatten(0, 1))
+        agree = (logits.argmax(-1) == want.argmax(-1)).float().mean()
+        return ce, reg, agree, ce2, (logits2.argmax(-1) == want[:, 1:].argmax(-1)).float().mean()
 
     def fit(self, name: str, params: list[torch.nn.Parameter], loss_fn, steps: int, seconds: float, lr: float) -> None:
         """Train params on loss_fn(windows) -> (loss, *logged); prints the running mean every log_every steps."""
@@ -165,7 +180,7 @@ class Trainer:
 
 
 def _fmt(vals: torch.Tensor) -> str:
-    names = ("loss", "reg", "top1")
+    names = ("loss", "reg", "top1", "ce2", "top1_2")
     return "  ".join(f"{n} {v:.4f}" for n, v in zip(names, vals.tolist()))
 
 
@@ -180,6 +195,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--reg-weight", type=float, default=1.0, help="weight of the draft's hidden-state regression")
+    ap.add_argument("--unroll-weight", type=float, default=1.0, help="weight of the unrolled second draft step's loss")
+    ap.add_argument("--init-from", metavar="DIR", help="load the target (kept as is) and draft from DIR; train the draft only")
     ap.add_argument("--log-every", type=int, default=250)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -188,14 +205,15 @@ def main() -> None:
     tr = Trainer(args, device)
     target, mtp = tr.target, tr.mtp
 
-    tr.fit("target", list(target.parameters()), lambda x: (tr.target_loss(x),), args.target_steps, args.target_seconds, args.lr)
+    if not args.init_from:
+        tr.fit("target", list(target.parameters()), lambda x: (tr.target_loss(x),), args.target_steps, args.target_seconds, args.lr)
     target.requires_grad_(False)  # the draft's embedding and head are the target's: frozen with it
     loss = tr.evaluate(lambda x: (tr.target_loss(x),))[0].item()
     print(f"target held-out: {loss:.4f} nats/byte = {loss / math.log(2):.3f} bits/byte")
 
     def mtp_loss(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ce, reg, top1 = tr.mtp_losses(x)
-        return ce + args.reg_weight * reg, reg, top1
+        ce, reg, top1, ce2, top1_2 = tr.mtp_losses(x)
+        return ce + args.reg_weight * reg + args.unroll_weight * ce2, reg, top1, ce2, top1_2
 
     tr.fit("mtp", [p for p in mtp.parameters() if p.requires_grad], mtp_loss, args.mtp_steps, args.mtp_seconds, args.lr)
     print(f"mtp held-out: {_fmt(tr.evaluate(lambda x: tr.mtp_losses(x)))}  (loss: soft CE vs the target; top1: agreement)")

@@ -4,9 +4,12 @@ One set of static input buffers at the largest bucket; for each batch-size bucke
 largest first, every graph in one memory pool) three graphs read the first ``bs`` rows. A live
 batch is copied into the first rows of the next bucket up; padded rows point at the pool's
 padding row (all slots in the padding page) with N = 0, so they touch no real KV or output.
-Metadata is built on the device inside the graphs from the static inputs, so a replay needs no
-per-backend host work; backends that plan on the host (``supports_cuda_graph = False``) are
-refused, or run eagerly when ``eager_fallback`` is set.
+
+The draft-extend graph ends by writing the next state back into the static inputs (padded rows
+kept at N = 0), and the worker's state is then a view of them: while the batch runs unchanged a
+step is three replays and no copy. Metadata is built on the device inside the graphs; backends
+that plan on the host (``needs_cpu_seq_lens``) are planned from the requests' host lengths before
+each replay. Backends that cannot be captured (``supports_cuda_graph = False``) are refused.
 """
 
 from __future__ import annotations
@@ -62,7 +65,6 @@ class StaticInputs:
 class _Captured:
     graphs: list[torch.cuda.CUDAGraph]
     result: AcceptResult
-    state: object  # DecodeState
     tree: VerifyTree
 
 
@@ -77,8 +79,9 @@ class GraphRunner:
         backends = [worker.verify_backend, worker.draft_extend_backend, *worker.draft_backend.steps]
         unsupported = sorted({b.name for b in backends if not b.supports_cuda_graph})
         if unsupported:
-            raise ValueError(f"backends {unsupported} cannot be captured in CUDA graphs (they plan on the host); "
-                             "disable cuda graphs or pick triton_mla / torch_ref / a Blackwell backend")
+            raise ValueError(f"backends {unsupported} cannot be captured in CUDA graphs; "
+                             "disable cuda graphs or pick triton_mla / flashinfer_mla / torch_ref / a Blackwell backend")
+        self.host_planned = any(b.needs_cpu_seq_lens for b in backends)
         max_bs = self.buckets[-1]
         for backend in backends:
             backend.init_cuda_graph_state(max_bs, max_bs * cfg.num_draft_tokens)
@@ -90,6 +93,8 @@ class GraphRunner:
         })
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[int, _Captured] = {}
+        self._views: dict[int, tuple] = {}  # batch size -> (result, state, tree) views of graph memory
+        self._resident: Optional[tuple] = None  # (state, target_rows, draft_rows) the static inputs hold
         self.capture_seconds = self._capture_all(progress)
         worker.graph_runner = self
 
@@ -108,7 +113,10 @@ class GraphRunner:
             w.commit_kv(st, out["result"], inputs["target_rows"])
 
         def extend() -> None:
-            out["state"] = w.draft_extend(st, out["result"], out["hidden"], inputs["draft_rows"])
+            new = w.draft_extend(st, out["result"], out["hidden"], inputs["draft_rows"])
+            new.seq_lens = torch.where(inputs["target_rows"] == PADDING_ROW, 0, new.seq_lens)  # padding stays in bounds
+            pairs = [(old, t) for old, t in zip(vars(st).values(), vars(new).values()) if t is not old]
+            torch._foreach_copy_(*map(list, zip(*pairs)))
 
         return (draft, verify, extend), out
 
@@ -120,6 +128,8 @@ class GraphRunner:
                 print(f"\rcapturing CUDA graphs: batch size {bs:4d} ({i + 1}/{len(self.buckets)})", end="", file=sys.stderr)
             inputs = self.static.view(bs)
             parts, out = self._spec_pass_parts(inputs)
+            if self.host_planned:
+                self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: lazy inits, autotuning, JIT
@@ -132,28 +142,38 @@ class GraphRunner:
                 with torch.cuda.graph(graph, pool=self.pool):
                     part()
                 graphs.append(graph)
-            self.captured[bs] = _Captured(graphs, out["result"], out["state"], out["tree"])
+            self.captured[bs] = _Captured(graphs, out["result"], out["tree"])
         torch.cuda.synchronize()
         if progress:
             print(file=sys.stderr)
         return time.perf_counter() - start
 
-    def run(self, live: dict[str, torch.Tensor]) -> Optional[tuple[AcceptResult, object, VerifyTree]]:
-        """Replay the step for a live batch; returns outputs sliced to its rows (graph-owned:
-        valid until the next replay), or None when eager_fallback allows an oversized batch."""
-        b = live["target_rows"].shape[0]
+    def run(self, state, target_rows: torch.Tensor, draft_rows: torch.Tensor) -> Optional[tuple[AcceptResult, object, VerifyTree]]:
+        """Replay the step for a live batch (state: a DecodeState, rows ``[b]`` int64); returns
+        (result, next state, tree) as views of graph memory, valid until the next replay, or None
+        when eager_fallback allows an oversized batch."""
+        b = target_rows.shape[0]
         bucket = pick_bucket(self.buckets, b)
         if bucket is None:
             if self.eager_fallback:
                 return None
             raise ValueError(f"batch of {b} exceeds the largest CUDA-graph bucket {self.buckets[-1]}; "
                              "add a larger bucket to cuda_graph_batch_sizes or enable eager_fallback")
-        self.static.fill(live, bucket)
-        cap = self.captured[bucket]
-        for graph in cap.graphs:
+        resident = self._resident
+        if resident is None or resident[0] is not state or resident[1] is not target_rows or resident[2] is not draft_rows:
+            self.static.fill({"target_rows": target_rows, "draft_rows": draft_rows, **vars(state)}, bucket)
+        if self.host_planned:
+            self.worker.plan_passes_on_host(self.worker.host_seq_lens(bucket))
+        for graph in self.captured[bucket].graphs:
             graph.replay()
-        rows = slice(0, b)
-        result = AcceptResult(*(t[rows] for t in vars(cap.result).values()))
-        state = type(cap.state)(*(t[rows] for t in vars(cap.state).values()))
-        tree = VerifyTree(*(t[rows] for t in vars(cap.tree).values()))
-        return result, state, tree
+        views = self._views.get(b) or self._make_views(b, bucket)
+        self._resident = (views[1], target_rows, draft_rows)
+        return views
+
+    def _make_views(self, b: int, bucket: int) -> tuple:
+        cap, rows = self.captured[bucket], slice(0, b)
+        views = (AcceptResult(*(t[rows] for t in vars(cap.result).values())),
+                 self.worker.state_from(self.static.view(b)),
+                 VerifyTree(*(t[rows] for t in vars(cap.tree).values())))
+        self._views[b] = views
+        return views

@@ -20,34 +20,55 @@ def greedy_generate(
     backend: str = "torch_ref",
     page_size: int = 16,
     kv_dtype: torch.dtype | None = None,
+    cuda_graph: bool = False,
 ) -> list[list[int]]:
-    """Prefill every prompt, then decode one token per request per forward (argmax)."""
+    """Prefill every prompt, then decode one token per request per forward (argmax).
+
+    cuda_graph: run the first decode step eagerly (warm-up), capture one decode step and replay
+    it for the rest: the fair baseline for a graphed spec step. Backends that plan on the host
+    are planned from the host kv lengths before each replay.
+    """
     param = next(model.parameters())
     device = param.device
+    bs = len(prompts)
     context = page_size * math.ceil((max(map(len, prompts)) + max_new_tokens + 1) / page_size)
-    pool = MLAKVPool(model.num_attention_layers, len(prompts) * context // page_size + 1, page_size, len(prompts),
-                     context, kv_dtype or param.dtype, device)
+    pool = MLAKVPool(model.num_attention_layers, bs * context // page_size + 1, page_size, bs, context, kv_dtype or param.dtype, device)
     cls = get_backend_class(backend)
-    attn = cls(pool.view(), model.attn_spec(), len(prompts), 1)
+    attn = cls(pool.view(), model.attn_spec(), bs, 1)
     rows = [pool.alloc_request() for _ in prompts]
-    for row in rows:
-        pool.ensure_capacity(row, context)
+    pool.ensure_capacity_many(rows, [context] * bs)
     lens = [len(p) for p in prompts]
 
-    batch = extend_batch(pool.req_to_token, rows, [0] * len(prompts), lens)
+    batch = extend_batch(pool.req_to_token, rows, [0] * bs, lens)
     attn.init_forward_metadata(batch)
     ids = torch.tensor([t for p in prompts for t in p], device=device)
     positions = ragged_arange(lens).to(device)
     hidden = model(ids, positions, attn, batch)
     token = model.compute_logits(hidden[batch.cu_seqlens_q[1:].long() - 1]).argmax(-1)
-    out = [token]
+    out = [token.clone()]
     seq_lens = torch.tensor(lens, device=device)
     row_t = torch.tensor(rows, device=device)
-    for _ in range(max_new_tokens - 1):
-        batch = uniform_batch(ForwardMode.DECODE, pool.req_to_token, row_t, seq_lens, 1, seq_lens + 1)
-        attn.init_forward_metadata(batch)
-        hidden = model(token, seq_lens, attn, batch)
-        token = model.compute_logits(hidden).argmax(-1)
-        seq_lens = seq_lens + 1
-        out.append(token)
+
+    def decode() -> None:
+        """One token per request, in place: token <- argmax, seq_lens += 1."""
+        step = uniform_batch(ForwardMode.DECODE, pool.req_to_token, row_t, seq_lens, 1, seq_lens + 1)
+        attn.init_forward_metadata(step)
+        token.copy_(model.compute_logits(model(token, seq_lens, attn, step)).argmax(-1))
+        seq_lens.add_(1)
+
+    if cuda_graph:
+        attn.init_cuda_graph_state(bs, bs)
+    host_lens, graph = torch.tensor(lens, dtype=torch.int32), None
+    for i in range(max_new_tokens - 1):
+        if cuda_graph and attn.needs_cpu_seq_lens:
+            attn.init_forward_metadata_replay_cuda_graph(bs, host_lens + i + 1, 1)
+        if graph is not None:
+            graph.replay()
+        else:
+            decode()
+            if cuda_graph:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    decode()
+        out.append(token.clone())
     return torch.stack(out, dim=1).tolist()

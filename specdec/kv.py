@@ -8,7 +8,6 @@ slots all lie in page 0, so they read and write nothing of a real request.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +62,7 @@ class MLAKVPool:
         self._free_pages = list(range(num_pages - 1, PADDING_PAGE, -1))  # pop() hands out low pages first
         self._free_rows = list(range(max_requests, PADDING_ROW, -1))
         self._requests: dict[int, _Request] = {}
+        self.capacity = [0] * (max_requests + 1)  # tokens each row's pages hold: a cheap per-step check
 
     def view(self) -> KVCacheView:
         """What attention backends see of this pool."""
@@ -87,25 +87,37 @@ class MLAKVPool:
 
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
         """Give request ``row`` pages for positions ``[0, num_tokens)``; all or nothing."""
-        req = self._request(row)
-        if num_tokens > self.max_context_len:
-            raise ValueError(f"{num_tokens} tokens exceed max_context_len {self.max_context_len}")
-        need = math.ceil(num_tokens / self.page_size) - len(req.pages)
-        if need <= 0:
-            return
-        if need > len(self._free_pages):
-            raise OutOfPagesError(f"need {need} more KV pages, {len(self._free_pages)} free; raise num_pages")
-        new = [self._free_pages.pop() for _ in range(need)]
-        first = len(req.pages)
-        req.pages.extend(new)
-        self._write_slots(row, first, new)
+        self.ensure_capacity_many([row], [num_tokens])
+
+    def ensure_capacity_many(self, rows: list[int], num_tokens: list[int]) -> None:
+        """``ensure_capacity`` for several requests at once, with one req_to_token write; all or
+        nothing over the whole list."""
+        ps, need = self.page_size, []
+        for row, n in zip(rows, num_tokens):
+            req = self._request(row)
+            if n > self.max_context_len:
+                raise ValueError(f"{n} tokens exceed max_context_len {self.max_context_len}")
+            need.append(max(0, -(-n // ps) - len(req.pages)))
+        if sum(need) > len(self._free_pages):
+            raise OutOfPagesError(f"need {sum(need)} more KV pages, {len(self._free_pages)} free; raise num_pages")
+        writes = []  # (flat req_to_token index of the page's first slot, page)
+        for row, k in zip(rows, need):
+            req = self._requests[row]
+            for _ in range(k):
+                page = self._free_pages.pop()
+                writes.append((row * self.max_context_len + len(req.pages) * ps, page))
+                req.pages.append(page)
+            self.capacity[row] = len(req.pages) * ps
+        if writes:
+            self._write_slots(writes)
 
     def trim(self, row: int, num_tokens: int) -> None:
         """Return the pages of request ``row`` past position ``num_tokens`` (rejected drafts)."""
         req = self._request(row)
-        keep = math.ceil(num_tokens / self.page_size)
+        keep = -(-num_tokens // self.page_size)
         while len(req.pages) > keep:
             self._free_pages.append(req.pages.pop())
+        self.capacity[row] = len(req.pages) * self.page_size
 
     def free_request(self, row: int) -> None:
         """Return every page of request ``row`` and its row."""
@@ -113,11 +125,14 @@ class MLAKVPool:
         del self._requests[row]
         self._free_rows.append(row)
 
-    def _write_slots(self, row: int, first_page: int, pages: list[int]) -> None:
+    def _write_slots(self, writes: list[tuple[int, int]]) -> None:
+        """Point each new page's ``page_size`` positions at its slots: one index_copy_ of
+        ``[2, pages * page_size]`` int64 (flat req_to_token index, slot) staged in pinned memory,
+        so page growth inside a step does not sync."""
         ps = self.page_size
-        page_ids = torch.tensor(pages, dtype=torch.int32)
-        slots = (page_ids[:, None] * ps + torch.arange(ps, dtype=torch.int32)[None, :]).flatten()
-        start = first_page * ps
+        start_page = torch.tensor(writes, dtype=torch.long).T  # [2, pages]
+        offsets = torch.arange(ps)
+        pairs = torch.stack([start_page[0, :, None] + offsets, start_page[1, :, None] * ps + offsets]).flatten(1)
         if self.device.type == "cuda":
-            slots = slots.pin_memory()  # a non-blocking copy: page growth inside a step does not sync
-        self.req_to_token[row, start : start + slots.numel()].copy_(slots, non_blocking=True)
+            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
+        self.req_to_token.view(-1).index_copy_(0, pairs[0], pairs[1].to(torch.int32))

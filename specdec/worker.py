@@ -117,6 +117,8 @@ class EagleWorker:
         self.last_tree: Optional[VerifyTree] = None  # the tree verified by the last step, for inspection
         self.graph_runner = None  # set by graphs.runner.GraphRunner(worker)
         self._next_rid = 0
+        self._rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # device rows of the running batch
+        self._emitted = _HostCopy((bs, steps + 1), self.device)  # the step's one device-to-host copy
 
     # ------------------------------------------------------------ admission
     @torch.inference_mode()
@@ -152,7 +154,7 @@ class EagleWorker:
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         new_state = self._prefill(new)
         keep = []
-        for i, (req, token) in enumerate(zip(new, _to_host(new_state.root).tolist())):
+        for i, (req, token) in enumerate(zip(new, _HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist())):
             req.output.append(token)  # the prefill's token is the first output
             req.finished = max_new_tokens <= 1 or token == eos_token_id
             if req.finished:
@@ -163,6 +165,7 @@ class EagleWorker:
             new_state = new_state.select(torch.tensor(keep, device=self.device))
             self.state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
             self.requests.extend(new[i] for i in keep)
+            self._rows = None
         return new
 
     def _allocate(self, prompts: list[list[int]], max_new_tokens: int, eos: Optional[int], sampling: list[SamplingParams]) -> list[Request]:
@@ -250,7 +253,7 @@ class EagleWorker:
         st, target_rows, draft_rows = self.step_inputs()
         out = None
         if self.graph_runner is not None:
-            out = self.graph_runner.run({"target_rows": target_rows, "draft_rows": draft_rows, **vars(st)})
+            out = self.graph_runner.run(st, target_rows, draft_rows)
         if out is None:
             out = self.spec_pass(st, target_rows, draft_rows)
         result, self.state, self.last_tree = out
@@ -277,10 +280,30 @@ class EagleWorker:
         return DecodeState(**{name: tensors[name] for name in DecodeState.__dataclass_fields__})
 
     def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
-        """(state, target rows ``[B]``, draft rows ``[B]``) of the running batch."""
-        target_rows = host_to_device([r.target_row for r in self.requests], self.device)
-        draft_rows = host_to_device([r.draft_row for r in self.requests], self.device)
-        return self.state, target_rows, draft_rows
+        """(state, target rows ``[B]``, draft rows ``[B]``) of the running batch; the rows are
+        built once per change of the batch (the same tensors while it runs unchanged)."""
+        if self._rows is None:
+            self._rows = (host_to_device([r.target_row for r in self.requests], self.device),
+                          host_to_device([r.draft_row for r in self.requests], self.device))
+        return self.state, *self._rows
+
+    def host_seq_lens(self, batch_size: int) -> torch.Tensor:
+        """N of each running request, zero-padded to ``batch_size`` rows: ``[batch_size]`` int32 host."""
+        lens = torch.zeros(batch_size, dtype=torch.int32)
+        lens[: len(self.requests)] = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32)
+        return lens
+
+    def plan_passes_on_host(self, seq_lens: torch.Tensor) -> None:
+        """Host planning of every pass of a step, for backends that plan on the host
+        (``needs_cpu_seq_lens``) ahead of a graph replay. seq_lens: ``[bs]`` int32 host, the
+        requests' N; the kv length of each pass is the one draft_tree / verify / draft_extend use."""
+        cfg, off, bs = self.config, self.draft_offset, seq_lens.shape[0]
+        passes = [(backend, seq_lens + off + j * cfg.topk, cfg.topk) for j, backend in enumerate(self.draft_backend.steps, start=1)]
+        passes += [(self.verify_backend, seq_lens + cfg.num_draft_tokens, cfg.num_draft_tokens),
+                   (self.draft_extend_backend, seq_lens + off + cfg.num_steps + 1, cfg.num_steps + 1)]
+        for backend, kv_lens, q_len in passes:
+            if backend.needs_cpu_seq_lens:
+                backend.init_forward_metadata_replay_cuda_graph(bs, kv_lens, q_len)
 
     @torch.inference_mode()
     def spec_pass(
@@ -294,11 +317,15 @@ class EagleWorker:
         return result, self.draft_extend(st, result, hidden, draft_rows), tree
 
     def _reserve_pages(self) -> None:
-        """Pages for the verify tree and the draft region past each request's prefix."""
+        """Pages for the verify tree and the draft region past each request's prefix; a list
+        comparison per request, pool work only for the requests that cross a page."""
         cfg = self.config
-        for req in self.requests:
-            self.target_pool.ensure_capacity(req.target_row, req.seq_len + cfg.num_draft_tokens)
-            self.draft_pool.ensure_capacity(req.draft_row, req.seq_len + self.draft_offset + cfg.draft_region_len)
+        for pool, row_of, extra in ((self.target_pool, "target_row", cfg.num_draft_tokens),
+                                    (self.draft_pool, "draft_row", self.draft_offset + cfg.draft_region_len)):
+            cap = pool.capacity
+            grow = [(getattr(r, row_of), r.seq_len + extra) for r in self.requests if r.seq_len + extra > cap[getattr(r, row_of)]]
+            if grow:
+                pool.ensure_capacity_many(*map(list, zip(*grow)))
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
@@ -394,10 +421,10 @@ class EagleWorker:
 
     def finish_step(self, result: AcceptResult) -> StepStats:
         """The one device-to-host copy of the step; then host bookkeeping and finished requests."""
-        emitted = _to_host(result.emitted)
+        emitted = self._emitted.fetch(result.emitted).tolist()
         keep, accept_lens, total = [], [], 0
-        for i, req in enumerate(self.requests):
-            tokens = [t for t in emitted[i].tolist() if t >= 0]
+        for req, row in zip(self.requests, emitted):
+            tokens = [t for t in row if t >= 0]
             accept_lens.append(len(tokens) - 1)
             req.seq_len += len(tokens)
             room = req.max_new_tokens - len(req.output)
@@ -411,22 +438,33 @@ class EagleWorker:
             if req.finished:
                 self._release(req)
             else:
-                keep.append(i)
+                keep.append(len(accept_lens) - 1)
                 self.target_pool.trim(req.target_row, req.seq_len)  # rejected tree slots
                 self.draft_pool.trim(req.draft_row, req.seq_len + self.draft_offset)
         if len(keep) < len(self.requests):
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
+            self._rows = None
         return StepStats(accept_lens, total)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """Copy to pinned host memory with one non-blocking copy and wait on its event."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    event.synchronize()
-    return host
+class _HostCopy:
+    """A reusable pinned int64 host buffer and event: one non-blocking copy of a device tensor's
+    leading rows, then a wait on the event (not on the whole device)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.buffer = torch.empty(shape, dtype=torch.long, pin_memory=self.on_cuda)
+        self.event = torch.cuda.Event() if self.on_cuda else None
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        """t: ``[b, *shape[1:]]`` int64, b <= shape[0] -> its host copy (a view of the buffer:
+        valid until the next fetch)."""
+        if not self.on_cuda:
+            return t
+        host = self.buffer[: t.shape[0]]
+        host.copy_(t, non_blocking=True)
+        self.event.record()
+        self.event.synchronize()
+        return host
+

@@ -7,6 +7,7 @@ import torch
 
 from graphs.runner import GraphRunner, StaticInputs, default_buckets, pick_bucket
 from specdec.config import SpecConfig
+from specdec.draft import StandaloneDraft
 from specdec.kv import PADDING_ROW
 from specdec.worker import EagleWorker
 from spec_helpers import make_models, prompts, reference, run_to_completion
@@ -29,18 +30,41 @@ def test_static_inputs_pad_rows_harmlessly():
     assert [t.shape[0] for t in static.view(4).values()] == [4, 4, 4]
 
 
-def test_host_planning_backend_refused():
+def test_uncapturable_backend_refused():
     class FakeWorker:  # only what the runner inspects before capturing
         config = SpecConfig()
-        verify_backend = type("B", (), {"name": "flashinfer_mla", "supports_cuda_graph": False})()
+        verify_backend = type("B", (), {"name": "some_mla", "supports_cuda_graph": False})()
         draft_extend_backend = verify_backend
         draft_backend = type("M", (), {"steps": []})()
 
-    with pytest.raises(ValueError, match="flashinfer_mla.*cannot be captured"):
+    with pytest.raises(ValueError, match="some_mla.*cannot be captured"):
         GraphRunner(FakeWorker())
 
 
-GPU_BACKENDS = ["torch_ref", "triton_mla"]
+@pytest.mark.parametrize("topk,ndt,mode", [(1, None, "eagle"), (2, 6, "eagle"), (3, 8, "standalone")])
+def test_host_plans_match_the_device_passes(topk, ndt, mode):
+    """What plan_passes_on_host tells a host-planning backend (kv lengths, q_len) is what the
+    pass it precedes then builds on the device, for every backend of the step."""
+    target, mtp = make_models("cpu", torch.float32)
+    draft = StandaloneDraft(target) if mode == "standalone" else mtp
+    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, draft_mode=mode, page_size=16, max_batch_size=4, max_context_len=256)
+    worker = EagleWorker(target, draft, cfg)
+    worker.add_requests(prompts(3, seed=4), 30)
+    worker.step()
+    backends = [worker.verify_backend, worker.draft_extend_backend, *worker.draft_backend.steps]
+    planned, seen = {}, {}
+    for b in backends:
+        b.needs_cpu_seq_lens = True
+        b.init_forward_metadata_replay_cuda_graph = lambda bs, lens, q, b=b: planned.__setitem__(id(b), (lens.tolist(), q))
+        b.init_forward_metadata = lambda batch, shared_block_tables=None, b=b, f=b.init_forward_metadata: (
+            seen.__setitem__(id(b), (batch.seq_lens.tolist(), batch.max_q_len)), f(batch, shared_block_tables))[1]
+    worker._reserve_pages()
+    worker.plan_passes_on_host(worker.host_seq_lens(3))
+    worker.spec_pass(*worker.step_inputs())
+    assert len(planned) == len(backends) and planned == seen
+
+
+GPU_BACKENDS = ["torch_ref", "triton_mla", "flashinfer_mla"]
 
 
 def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4):
@@ -63,6 +87,7 @@ def _pad(live: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
 @pytest.mark.parametrize("batch", [3, 4])  # padded and exact bucket
 def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
+    _skip_trees_without_masks(backend, topk)
     target, worker = gpu_worker(backend, topk=topk, ndt=ndt)
     runner = GraphRunner(worker, [1, 2, 4], progress=False)
     worker.add_requests(prompts(batch, seed=batch), 20)
@@ -72,9 +97,11 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
     st, trows, drows = worker.step_inputs()
     live = {"target_rows": trows, "draft_rows": drows, **vars(st)}
     padded = _pad(live, 4)
+    if runner.host_planned:
+        worker.plan_passes_on_host(worker.host_seq_lens(4))
     eager = worker.spec_pass(worker.state_from(padded), padded["target_rows"], padded["draft_rows"])
     eager = [t[:batch].clone() for t in (*vars(eager[0]).values(), *vars(eager[1]).values())]
-    result, state, _ = runner.run(live)
+    result, state, _ = runner.run(st, trows, drows)
     graph = [*vars(result).values(), *vars(state).values()]
     for e, g in zip(eager, graph):
         assert torch.equal(e, g)
@@ -84,6 +111,7 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
 def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
+    _skip_trees_without_masks(backend, topk)
     target, worker = gpu_worker(backend, topk=topk, ndt=ndt, max_bs=6)
     GraphRunner(worker, [1, 2, 4, 6], progress=False)
     groups = [(prompts(2, seed=1), 40), (prompts(3, seed=2), 25), (prompts(1, seed=3), 30)]
@@ -92,18 +120,27 @@ def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
     assert worker.target_pool.num_free_pages == worker.config.num_pages - 1
 
 
+def _skip_trees_without_masks(backend, topk):
+    if topk > 1 and backend == "flashinfer_mla":
+        pytest.skip("flashinfer_mla has no tree masks")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [False, True])
-def test_whole_step_has_no_host_sync(graphs):
-    _, worker = gpu_worker("triton_mla", topk=2, ndt=6)
+@pytest.mark.parametrize("backend,graphs,topk", [("triton_mla", False, 2), ("triton_mla", True, 2), ("flashinfer_mla", True, 1)])
+def test_whole_step_has_no_host_sync(backend, graphs, topk):
+    """Steps with a join and page growth in between: launch_step (pages, inputs, host plans,
+    draft, tree, verify, accept, KV commit, draft-extend) never syncs."""
+    _, worker = gpu_worker(backend, topk=topk, ndt=6 if topk > 1 else None)
     if graphs:
         GraphRunner(worker, [1, 2, 4], progress=False)
-    worker.add_requests(prompts(3, seed=5), 30)
-    worker.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        result = worker.launch_step()  # pages, inputs, draft, tree, verify, accept, KV commit, draft-extend
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    worker.finish_step(result)
+    worker.add_requests(prompts(2, seed=5), 40)
+    for i in range(6):
+        if i == 3:
+            worker.add_requests(prompts(1, seed=6), 20)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = worker.launch_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        worker.finish_step(result)

@@ -49,3 +49,22 @@ def test_unknown_row_is_a_clear_error():
     pool = make_pool()
     with pytest.raises(KeyError, match="row 2 is not allocated"):
         pool.ensure_capacity(2, 4)
+
+
+def test_growing_many_rows_is_one_all_or_nothing_write():
+    pool = make_pool(num_pages=6)
+    a, b, c = pool.alloc_request(), pool.alloc_request(), pool.alloc_request()
+    pool.ensure_capacity(a, 3)
+    pool.ensure_capacity_many([a, b], [9, 4])  # a grows by 2 pages, b gets 1
+    assert pool.capacity[a] == 12 and pool.capacity[b] == 4 and pool.num_free_pages == 1
+    for row, n in ((a, 9), (b, 4)):
+        slots = pool.req_to_token[row, :n]
+        assert torch.equal(slots % 4, torch.arange(n) % 4) and (slots // 4 > 0).all()
+    assert len(set((pool.req_to_token[[a, a, a, b], [0, 4, 8, 0]] // 4).tolist())) == 4
+    before = pool.req_to_token.clone()
+    with pytest.raises(OutOfPagesError, match="need 2 more"):
+        pool.ensure_capacity_many([b, c], [8, 4])  # 2 pages needed, 1 free: neither grows
+    assert pool.num_free_pages == 1 and pool.capacity[b] == 4 and pool.capacity[c] == 0
+    assert torch.equal(pool.req_to_token, before)
+    pool.trim(a, 4)
+    assert pool.capacity[a] == 4 and pool.num_free_pages == 3
