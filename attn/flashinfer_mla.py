@@ -81,6 +81,7 @@ class FlashInferMLABackend(PagedMLABackend):
         self._kv_indices = torch.zeros(max_bs * self.max_pages + 1, dtype=torch.int32, device=self.kv.device)
         self._host_csr = torch.zeros(3, max_bs + 1, dtype=torch.int32, pin_memory=True)  # qo_indptr, kv_indptr, kv lens
 
+    @torch.inference_mode()  # the wrappers' buffers are inference tensors wherever planning is first called from
     def init_forward_metadata_replay_cuda_graph(self, bs: int, seq_lens: torch.Tensor, q_len: int) -> None:
         """Plan the graph-mode wrapper of batch size ``bs`` from host kv lengths (``[bs]`` int32,
         new tokens included) and ``q_len`` query tokens per request; no device-to-host copy.
