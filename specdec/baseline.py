@@ -72,3 +72,26 @@ def greedy_generate(
                     decode()
         out.append(token.clone())
     return torch.stack(out, dim=1).tolist()
+
+
+@torch.inference_mode()
+def sequence_logits(model: torch.nn.Module, ids: list[int], decode_steps: int = 0) -> torch.Tensor:
+    """``[len(ids), vocab]`` logits of one sequence through the torch_ref backend, in the model's
+    dtype and device: a prefill of all but the last ``decode_steps`` tokens, then one-token decodes."""
+    param = next(model.parameters())
+    device, page = param.device, 16
+    pool = MLAKVPool(model.num_attention_layers, len(ids) // page + 2, page, 1, page * (len(ids) // page + 1), param.dtype, device)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, len(ids))
+    attn = get_backend_class("torch_ref")(pool.view(), model.attn_spec(), 1, 1)
+    n = len(ids) - decode_steps
+    batch = extend_batch(pool.req_to_token, [row], [0], [n])
+    attn.init_forward_metadata(batch)
+    logits = [model.compute_logits(model(torch.tensor(ids[:n], device=device), torch.arange(n, device=device), attn, batch))]
+    row_t = torch.tensor([row], device=device)
+    for p in range(n, len(ids)):
+        pos = torch.tensor([p], device=device)
+        batch = uniform_batch(ForwardMode.DECODE, pool.req_to_token, row_t, pos, 1, pos + 1)
+        attn.init_forward_metadata(batch)
+        logits.append(model.compute_logits(model(torch.tensor([ids[p]], device=device), pos, attn, batch)))
+    return torch.cat(logits)

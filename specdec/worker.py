@@ -257,6 +257,7 @@ class EagleWorker:
         if out is None:
             out = self.spec_pass(st, target_rows, draft_rows)
         result, self.state, self.last_tree = out
+        self._emitted.start(result.emitted)
         return result
 
     def state_template(self, batch_size: int) -> DecodeState:
@@ -420,11 +421,13 @@ class EagleWorker:
         return st.advance(result.bonus, st.seq_lens + result.accept_len + 1, last, cand)
 
     def finish_step(self, result: AcceptResult) -> StepStats:
-        """The one device-to-host copy of the step; then host bookkeeping and finished requests."""
-        emitted = self._emitted.fetch(result.emitted).tolist()
+        """Wait for the step's one device-to-host copy (started by launch_step, of ``result``);
+        then host bookkeeping and finished requests."""
+        emitted = self._emitted.wait().tolist()
         keep, accept_lens, total = [], [], 0
+        tcap, dcap, tps, dps = self.target_pool.capacity, self.draft_pool.capacity, self.target_pool.page_size, self.draft_pool.page_size
         for req, row in zip(self.requests, emitted):
-            tokens = [t for t in row if t >= 0]
+            tokens = row[: row.index(-1)] if row[-1] < 0 else row  # accepted tokens and the bonus, then -1
             accept_lens.append(len(tokens) - 1)
             req.seq_len += len(tokens)
             room = req.max_new_tokens - len(req.output)
@@ -439,8 +442,10 @@ class EagleWorker:
                 self._release(req)
             else:
                 keep.append(len(accept_lens) - 1)
-                self.target_pool.trim(req.target_row, req.seq_len)  # rejected tree slots
-                self.draft_pool.trim(req.draft_row, req.seq_len + self.draft_offset)
+                if tcap[req.target_row] - req.seq_len >= tps:  # a whole page of rejected tree slots
+                    self.target_pool.trim(req.target_row, req.seq_len)
+                if dcap[req.draft_row] - req.seq_len - self.draft_offset >= dps:
+                    self.draft_pool.trim(req.draft_row, req.seq_len + self.draft_offset)
         if len(keep) < len(self.requests):
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
@@ -449,22 +454,34 @@ class EagleWorker:
 
 
 class _HostCopy:
-    """A reusable pinned int64 host buffer and event: one non-blocking copy of a device tensor's
-    leading rows, then a wait on the event (not on the whole device)."""
+    """A reusable pinned int64 host buffer and event: a non-blocking copy of a device tensor's
+    leading rows (start), then a wait on the event, not on the whole device (wait)."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
         self.buffer = torch.empty(shape, dtype=torch.long, pin_memory=self.on_cuda)
         self.event = torch.cuda.Event() if self.on_cuda else None
+        self.host: Optional[torch.Tensor] = None
+
+    def start(self, t: torch.Tensor) -> None:
+        """t: ``[b, *shape[1:]]`` int64, b <= shape[0]."""
+        if not self.on_cuda:
+            self.host = t
+            return
+        self.host = self.buffer[: t.shape[0]]
+        self.host.copy_(t, non_blocking=True)
+        self.event.record()
+
+    def wait(self) -> torch.Tensor:
+        """The started copy (a view of the buffer: valid until the next start)."""
+        if self.host is None:
+            raise RuntimeError("no copy in flight: finish_step needs the result of launch_step")
+        if self.on_cuda:
+            self.event.synchronize()
+        host, self.host = self.host, None
+        return host
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
-        """t: ``[b, *shape[1:]]`` int64, b <= shape[0] -> its host copy (a view of the buffer:
-        valid until the next fetch)."""
-        if not self.on_cuda:
-            return t
-        host = self.buffer[: t.shape[0]]
-        host.copy_(t, non_blocking=True)
-        self.event.record()
-        self.event.synchronize()
-        return host
+        self.start(t)
+        return self.wait()
 

@@ -58,27 +58,3 @@ def reference(target, groups, **kwargs) -> list[list[int]]:
         out += greedy_generate(target, group, max_new, **kwargs)
     return out
 
-
-def sequence_logits(model, ids: list[int], decode_steps: int = 0) -> torch.Tensor:
-    """``[len(ids), vocab]`` logits of one sequence through the torch_ref backend: a prefill of
-    all but the last ``decode_steps`` tokens, then one-token decodes."""
-    from attn.base import ForwardMode
-    from attn.torch_ref import TorchRefBackend
-    from specdec.batch import extend_batch, uniform_batch
-    from specdec.kv import MLAKVPool
-
-    page = 16
-    pool = MLAKVPool(model.num_attention_layers, len(ids) // page + 2, page, 1, page * (len(ids) // page + 1), torch.float32)
-    row = pool.alloc_request()
-    pool.ensure_capacity(row, len(ids))
-    backend = TorchRefBackend(pool.view(), model.attn_spec(), 1, 1)
-    n = len(ids) - decode_steps
-    batch = extend_batch(pool.req_to_token, [row], [0], [n])
-    backend.init_forward_metadata(batch)
-    with torch.no_grad():
-        logits = [model.compute_logits(model(torch.tensor(ids[:n]), torch.arange(n), backend, batch))]
-        for p in range(n, len(ids)):
-            batch = uniform_batch(ForwardMode.DECODE, pool.req_to_token, torch.tensor([row]), torch.tensor([p]), 1, torch.tensor([p + 1]))
-            backend.init_forward_metadata(batch)
-            logits.append(model.compute_logits(model(torch.tensor([ids[p]]), torch.tensor([p]), backend, batch)))
-    return torch.cat(logits)

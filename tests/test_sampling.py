@@ -86,8 +86,8 @@ def test_worker_samples_the_target_distribution(topk, ndt):
     """The first two sampled tokens of many seeded requests (identity draft, so drafts are often
     accepted) follow the target's own sampling distribution; greedy requests in the same batches
     still get exactly the greedy output."""
-    from spec_helpers import make_models, sequence_logits
-    from specdec.baseline import greedy_generate
+    from spec_helpers import make_models
+    from specdec.baseline import greedy_generate, sequence_logits
     from specdec.config import SpecConfig
     from specdec.draft import StandaloneDraft
     from specdec.sampling import SamplingParams
