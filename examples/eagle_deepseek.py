@@ -93,9 +93,10 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
     sampling = [SamplingParams(temperature=args.temperature, seed=i) for i in range(len(prompts))]
     with torch.inference_mode():
         graphs = {"backend": backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph}
-        greedy_generate(target, prompts, 3, **graphs)  # warm-up: JIT, allocator
         seconds = {}
-        for n in (2, args.max_new_tokens):  # prefill + the first (eager, capturing) decode step, then all
+        # prefill + the first (eager, capturing) decode step, then all; each once to warm up (the
+        # kernels specialise on the context length, which differs)
+        for n in (2, args.max_new_tokens) * 2:
             _sync(device)
             start = time.perf_counter()
             baseline = greedy_generate(target, prompts, n, **graphs)

@@ -15,8 +15,10 @@ each replay. Backends that cannot be captured (``supports_cuda_graph = False``) 
 from __future__ import annotations
 
 import bisect
+import gc
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,7 +74,9 @@ class GraphRunner:
     """Captures and replays ``EagleWorker.spec_pass`` for batch-size buckets."""
 
     def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True) -> None:
-        self.worker = worker
+        # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the
+        # worker frees the graphs at once, never in a garbage collection during another capture.
+        self.worker = weakref.proxy(worker)
         cfg = worker.config
         self.buckets = sorted(set(batch_sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))
         self.eager_fallback = eager_fallback
@@ -122,6 +126,7 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self, progress: bool) -> float:
+        gc.collect()  # garbage holding graphs or pinned memory must not be freed mid-capture
         start = time.perf_counter()
         for i, bs in enumerate(reversed(self.buckets)):  # largest first: later graphs reuse its pool memory
             if progress:
@@ -164,11 +169,15 @@ class GraphRunner:
             self.static.fill({"target_rows": target_rows, "draft_rows": draft_rows, **vars(state)}, bucket)
         if self.host_planned:
             self.worker.plan_passes_on_host(self.worker.host_seq_lens(bucket))
-        for graph in self.captured[bucket].graphs:
-            graph.replay()
+        self.replay(bucket)
         views = self._views.get(b) or self._make_views(b, bucket)
         self._resident = (views[1], target_rows, draft_rows)
         return views
+
+    def replay(self, bucket: int) -> None:
+        """The bucket's three graphs, on the static inputs as they are."""
+        for graph in self.captured[bucket].graphs:
+            graph.replay()
 
     def _make_views(self, b: int, bucket: int) -> tuple:
         cap, rows = self.captured[bucket], slice(0, b)

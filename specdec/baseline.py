@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -67,6 +68,7 @@ def greedy_generate(
         else:
             decode()
             if cuda_graph:
+                gc.collect()  # garbage holding graphs or pinned memory must not be freed mid-capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     decode()
