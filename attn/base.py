@@ -28,6 +28,24 @@ class ForwardMode(enum.Enum):
     DRAFT_EXTEND = "draft_extend"  # fixed tokens per request (num_steps + 1), causal
 
 
+_ARANGES: dict[tuple, torch.Tensor] = {}
+
+
+def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``arange(0, end, step)`` built once per device and reused (read-only): the index vectors
+    of uniform passes are constants, not kernels in every pass and every graph replay. Under
+    stream capture an uncached one is built inside the graph: a tensor first made there holds
+    nothing until the graph's first replay, so it is not cached."""
+    key = (end, torch.device(device), step, dtype)
+    cached = _ARANGES.get(key)
+    if cached is not None:
+        return cached
+    t = torch.arange(0, end, step, dtype=dtype, device=device)
+    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _ARANGES[key] = t
+    return t
+
+
 @dataclass
 class KVCacheView:
     """The paged KV storage a backend reads and writes; owned by the engine (specdec.kv).

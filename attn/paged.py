@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_DIM, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec
+from attn.base import KV_DIM, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange
 from attn.reference import token_to_request
 from attn.workspace import get_workspace
 
@@ -218,7 +218,7 @@ class RaggedKernelBackend(PagedMLABackend):
 
     def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
         bs, q_len = query.shape[:2]
-        cu = torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=query.device)
+        cu = const_arange((bs + 1) * q_len, query.device, q_len, torch.int32)
         out = self._run_ragged_kernel(query.flatten(0, 1), kv_cache, block_tables, seq_lens, cu, q_len, custom_mask)
         return out.view(bs, q_len, *out.shape[1:])
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import AttnBatch, ForwardMode
+from attn.base import AttnBatch, ForwardMode, const_arange
 
 
 def ragged_arange(lengths: list[int]) -> torch.Tensor:
@@ -37,9 +37,9 @@ def uniform_batch(
     rows: ``[B]`` int64 req_to_token rows; first_index / seq_lens: ``[B]`` int64 (device).
     """
     device = rows.device
-    offsets = torch.arange(q_len, device=device)
+    offsets = const_arange(q_len, device)
     out_cache_loc = req_to_token[rows[:, None], first_index[:, None] + offsets[None, :]].flatten().long()
-    cu = torch.arange(0, (rows.shape[0] + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    cu = const_arange((rows.shape[0] + 1) * q_len, device, q_len, torch.int32)
     return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask)
 
 

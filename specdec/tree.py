@@ -4,7 +4,9 @@ Follows EAGLE-2: every drafted token carries the product of the draft probabilit
 path; each step expands the ``topk`` best frontier nodes; the verify tree is the root plus the
 ``num_draft_tokens - 1`` best candidates. A child never scores above its parent, and a stable
 sort breaks ties by candidate index (parents come first), so the chosen set is ancestor-closed.
-All shapes are static: nothing here reads a device value on the host.
+With topk = 1 the draft is a chain (:class:`DraftChain`): every drafted token is verified and
+the tree's layout is a constant, so nothing is scored or sorted. All shapes are static: nothing
+here reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from attn.base import const_arange
 
 
 def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,3 +117,41 @@ class DraftTree:
             mask_out[:batch, : n + 1, : n + 1].copy_(mask)
             mask = mask_out[:batch, : n + 1, : n + 1]
         return VerifyTree(tree_tokens, tree_parents, depth, tree_ranks, mask)
+
+
+class DraftChain:
+    """:class:`DraftTree`'s interface for topk = 1: the verify tree is the root then every
+    drafted token in order (num_draft_tokens = num_steps + 1), so the draft probabilities play
+    no part and parents, depth, ranks and mask are constants."""
+
+    topk = 1
+
+    def __init__(self, probs: torch.Tensor, ids: torch.Tensor) -> None:
+        """ids ``[B, 1]``: the first step's token (probs unused)."""
+        self.frontier_tokens = ids
+        self.tokens = [ids]
+
+    def grow(self, probs: torch.Tensor, ids: torch.Tensor) -> None:
+        """ids ``[B, 1, 1]``: the next token of each chain (probs unused)."""
+        self.frontier_tokens = ids.flatten(1)
+        self.tokens.append(self.frontier_tokens)
+
+    def build(self, root: torch.Tensor, num_draft_tokens: int, num_steps: int, mask_out: Optional[torch.Tensor] = None) -> VerifyTree:
+        """root ``[B]`` int64; the tree of ``num_draft_tokens`` nodes, which must be num_steps + 1."""
+        if num_draft_tokens != len(self.tokens) + 1:
+            raise ValueError(f"a chain of {len(self.tokens)} drafted tokens verifies {len(self.tokens) + 1} nodes, "
+                             f"not num_draft_tokens={num_draft_tokens}")
+        batch, n = root.shape[0], num_draft_tokens
+        depth = const_arange(n, root.device)[None, :].expand(batch, -1)
+        parents = (depth - 1).clamp(min=0)
+        mask = depth[:, :, None] >= depth[:, None, :]  # [B, n, n]: every earlier node is an ancestor
+        if mask_out is not None:
+            mask_out[:batch, :n, :n].copy_(mask)
+            mask = mask_out[:batch, :n, :n]
+        return VerifyTree(torch.cat([root[:, None], *self.tokens], dim=1), parents, depth, torch.zeros_like(depth), mask)
+
+
+def start_tree(probs: torch.Tensor, ids: torch.Tensor) -> DraftTree | DraftChain:
+    """The accumulator of one multi-step draft from its first candidates ``[B, topk]``: a
+    DraftChain for topk = 1, else a DraftTree."""
+    return DraftChain(probs, ids) if ids.shape[1] == 1 else DraftTree(probs, ids)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attn.base import const_arange
 from specdec.tree import VerifyTree
 
 
@@ -37,6 +38,17 @@ def greedy_accept(tree: VerifyTree, target_pred: torch.Tensor, num_steps: int) -
     accept_len = tree.depth.gather(1, last[:, None]).squeeze(1)
     bonus = target_pred.gather(1, last[:, None]).squeeze(1)
     return path_and_emitted(tree, last, accept_len, bonus, num_steps)
+
+
+def chain_accept(tree: VerifyTree, target_pred: torch.Tensor, num_steps: int) -> AcceptResult:
+    """greedy_accept for a chain tree (topk = 1, ``[B, num_steps + 1]`` nodes, node i's parent
+    i - 1): the accepted drafts are the longest prefix equal to the target's argmaxes, so the
+    emitted tokens are the target's own argmaxes up to accept_len, the bonus included."""
+    steps = const_arange(num_steps + 1, target_pred.device)
+    accept_len = (tree.tokens[:, 1:] == target_pred[:, :-1]).cumprod(dim=1).sum(dim=1)  # [B] int64
+    bonus = target_pred.gather(1, accept_len[:, None]).squeeze(1)
+    emitted = target_pred.masked_fill(steps[None, :] > accept_len[:, None], -1)
+    return AcceptResult(accept_len, torch.minimum(steps[None, :], accept_len[:, None]), emitted, bonus)
 
 
 def path_and_emitted(tree: VerifyTree, last: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor, num_steps: int) -> AcceptResult:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import AttnBatch, ForwardMode
+from attn.base import AttnBatch, ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device
@@ -25,8 +25,11 @@ from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample
-from specdec.tree import DraftTree, VerifyTree, topk_probs
-from specdec.verify import AcceptResult, greedy_accept
+from specdec.tree import VerifyTree, start_tree, topk_probs
+from specdec.verify import AcceptResult, chain_accept, greedy_accept
+
+
+GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
 
 
 @dataclass
@@ -253,12 +256,19 @@ class EagleWorker:
         st, target_rows, draft_rows = self.step_inputs()
         out = None
         if self.graph_runner is not None:
-            out = self.graph_runner.run(st, target_rows, draft_rows)
+            out = self.graph_runner.run(st, target_rows, draft_rows)  # its last graph stages the copy
         if out is None:
             out = self.spec_pass(st, target_rows, draft_rows)
+            self.stage_emitted(out[0])
         result, self.state, self.last_tree = out
-        self._emitted.start(result.emitted)
+        self._emitted.start(result.emitted.shape[0])
         return result
+
+    def stage_emitted(self, result: AcceptResult) -> None:
+        """Enqueue the step's one device-to-host copy: ``result.emitted`` into the pinned host
+        buffer. The graph runner captures it at the end of the draft-extend graph, so a replayed
+        step launches no copy of its own."""
+        self._emitted.enqueue(result.emitted)
 
     def state_template(self, batch_size: int) -> DecodeState:
         """An (uninitialised) DecodeState of ``batch_size`` rows: the graph runner's static inputs."""
@@ -319,14 +329,21 @@ class EagleWorker:
 
     def _reserve_pages(self) -> None:
         """Pages for the verify tree and the draft region past each request's prefix; a list
-        comparison per request, pool work only for the requests that cross a page."""
+        comparison per request, pool work only for the requests that cross a page. A request
+        that grows gets GROW_AHEAD_PAGES more pages while the pool has them, so the pool's
+        req_to_token write (host work and a copy) comes every few pages, not every page."""
         cfg = self.config
         for pool, row_of, extra in ((self.target_pool, "target_row", cfg.num_draft_tokens),
                                     (self.draft_pool, "draft_row", self.draft_offset + cfg.draft_region_len)):
             cap = pool.capacity
             grow = [(getattr(r, row_of), r.seq_len + extra) for r in self.requests if r.seq_len + extra > cap[getattr(r, row_of)]]
             if grow:
-                pool.ensure_capacity_many(*map(list, zip(*grow)))
+                rows, need = map(list, zip(*grow))
+                ahead = GROW_AHEAD_PAGES * pool.page_size
+                try:
+                    pool.ensure_capacity_many(rows, [min(n + ahead, pool.max_context_len) for n in need])
+                except OutOfPagesError:
+                    pool.ensure_capacity_many(rows, need)
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
@@ -337,7 +354,7 @@ class EagleWorker:
         """
         cfg, off = self.config, self.draft_offset
         topk, bs = cfg.topk, st.root.shape[0]
-        tree = DraftTree(st.cand_probs, st.cand_ids)
+        tree = start_tree(st.cand_probs, st.cand_ids)
         draft_len = st.seq_lens + off
         batches = [
             uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, draft_len + (j - 1) * topk, topk,
@@ -346,20 +363,22 @@ class EagleWorker:
         ]
         if batches:
             self.draft_backend.init_forward_metadata(batches)
+        temperature = self._temperatures(st, topk)
         hidden = st.hidden[:, None, :].expand(-1, topk, -1)
-        eye = torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)
-        ancestors = eye[:, :, :0]  # [B, topk, j * topk]: which drafted kv rows each frontier node sees
+        if topk > 1:
+            eye = torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)
+            ancestors = eye[:, :, :0]  # [B, topk, j * topk]: which drafted kv rows each frontier node sees
         for j, (batch, backend) in enumerate(zip(batches, self.draft_backend.steps), start=1):
-            parent_slot = tree.frontier_parent[:, :, None]
-            if j > 1:
-                ancestors = ancestors.gather(1, parent_slot.expand(-1, -1, ancestors.shape[2]))
-                hidden = hidden.gather(1, parent_slot.expand(-1, -1, hidden.shape[2]))
-            ancestors = torch.cat([ancestors, eye], dim=2)
-            if batch.custom_mask is not None:
+            if topk > 1:  # each frontier node continues its parent's hidden state and sees its ancestors
+                parent_slot = tree.frontier_parent[:, :, None]
+                if j > 1:
+                    ancestors = ancestors.gather(1, parent_slot.expand(-1, -1, ancestors.shape[2]))
+                    hidden = hidden.gather(1, parent_slot.expand(-1, -1, hidden.shape[2]))
+                ancestors = torch.cat([ancestors, eye], dim=2)
                 batch.custom_mask.copy_(ancestors)
             positions = (draft_len + j - 1)[:, None].expand(-1, topk).flatten()
             out = self.draft(tree.frontier_tokens.flatten(), positions, hidden.flatten(0, 1), backend, batch)
-            probs, ids = topk_probs(self.draft.compute_logits(out), topk, st.temperature.repeat_interleave(topk))
+            probs, ids = topk_probs(self.draft.compute_logits(out), topk, temperature)
             hidden = out.view(bs, topk, -1)
             tree.grow(probs.view(bs, topk, topk), ids.view(bs, topk, topk))
         mask_buf = self.verify_backend.get_verify_buffers_to_fill_after_draft()[0]
@@ -384,7 +403,7 @@ class EagleWorker:
         reduce to the same result there)."""
         steps = self.config.num_steps
         if not self.config.enable_sampling:
-            return greedy_accept(tree, logits.argmax(-1), steps)
+            return (chain_accept if self.config.topk == 1 else greedy_accept)(tree, logits.argmax(-1), steps)
         ndt = logits.shape[1]
         per_node = [t.repeat_interleave(ndt) for t in (st.temperature, st.top_p, st.top_k)]
         probs = target_probs(logits.flatten(0, 1), *per_node).view(logits.shape)
@@ -412,20 +431,30 @@ class EagleWorker:
         batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, draft_len, q_len,
                               draft_len + q_len)
         ids = result.emitted.clamp(min=0)
-        positions = (draft_len[:, None] + torch.arange(q_len, device=self.device)).flatten()
-        hidden_in = verify_hidden.gather(1, result.path[:, :, None].expand(-1, -1, verify_hidden.shape[-1]))
+        positions = (draft_len[:, None] + const_arange(q_len, self.device)).flatten()
+        # A chain's accepted path is nodes 0..accept_len in order, and the rows past it are never
+        # read (the next draft overwrites their KV first), so the verify hidden states serve as is.
+        hidden_in = verify_hidden
+        if self.config.topk > 1:
+            hidden_in = verify_hidden.gather(1, result.path[:, :, None].expand(-1, -1, verify_hidden.shape[-1]))
         out = self._forward(self.draft, self.draft_extend_backend, batch, ids.flatten(), positions, hidden_in.flatten(0, 1))
         dim = out.shape[-1]
         last = out.view(-1, q_len, dim).gather(1, result.accept_len[:, None, None].expand(-1, 1, dim)).squeeze(1)
-        cand = topk_probs(self.draft.compute_logits(last), self.config.topk, st.temperature)
+        cand = topk_probs(self.draft.compute_logits(last), self.config.topk, self._temperatures(st, 1))
         return st.advance(result.bonus, st.seq_lens + result.accept_len + 1, last, cand)
+
+    def _temperatures(self, st: DecodeState, repeat: int) -> Optional[torch.Tensor]:
+        """Each request's temperature repeated per drafted row, or None (plain softmax) when
+        sampling is off and every temperature is 0."""
+        if not self.config.enable_sampling:
+            return None
+        return st.temperature if repeat == 1 else st.temperature.repeat_interleave(repeat)
 
     def finish_step(self, result: AcceptResult) -> StepStats:
         """Wait for the step's one device-to-host copy (started by launch_step, of ``result``);
         then host bookkeeping and finished requests."""
         emitted = self._emitted.wait().tolist()
         keep, accept_lens, total = [], [], 0
-        tcap, dcap, tps, dps = self.target_pool.capacity, self.draft_pool.capacity, self.target_pool.page_size, self.draft_pool.page_size
         for req, row in zip(self.requests, emitted):
             tokens = row[: row.index(-1)] if row[-1] < 0 else row  # accepted tokens and the bonus, then -1
             accept_lens.append(len(tokens) - 1)
@@ -442,10 +471,6 @@ class EagleWorker:
                 self._release(req)
             else:
                 keep.append(len(accept_lens) - 1)
-                if tcap[req.target_row] - req.seq_len >= tps:  # a whole page of rejected tree slots
-                    self.target_pool.trim(req.target_row, req.seq_len)
-                if dcap[req.draft_row] - req.seq_len - self.draft_offset >= dps:
-                    self.draft_pool.trim(req.draft_row, req.seq_len + self.draft_offset)
         if len(keep) < len(self.requests):
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
@@ -455,7 +480,8 @@ class EagleWorker:
 
 class _HostCopy:
     """A reusable pinned int64 host buffer and event: a non-blocking copy of a device tensor's
-    leading rows (start), then a wait on the event, not on the whole device (wait)."""
+    leading rows (enqueue, which a CUDA graph can capture), the event recorded after it (start),
+    then a wait on the event, not on the whole device (wait)."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
@@ -463,14 +489,15 @@ class _HostCopy:
         self.event = torch.cuda.Event() if self.on_cuda else None
         self.host: Optional[torch.Tensor] = None
 
-    def start(self, t: torch.Tensor) -> None:
-        """t: ``[b, *shape[1:]]`` int64, b <= shape[0]."""
-        if not self.on_cuda:
-            self.host = t
-            return
-        self.host = self.buffer[: t.shape[0]]
-        self.host.copy_(t, non_blocking=True)
-        self.event.record()
+    def enqueue(self, t: torch.Tensor) -> None:
+        """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in stream order."""
+        self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
+
+    def start(self, rows: int) -> None:
+        """The copy of ``rows`` rows is enqueued: record the event after it."""
+        self.host = self.buffer[:rows]
+        if self.on_cuda:
+            self.event.record()
 
     def wait(self) -> torch.Tensor:
         """The started copy (a view of the buffer: valid until the next start)."""
@@ -482,6 +509,6 @@ class _HostCopy:
         return host
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
-        self.start(t)
+        self.enqueue(t)
+        self.start(t.shape[0])
         return self.wait()
-

@@ -1,7 +1,8 @@
+import pytest
 import torch
 
-from specdec.tree import DraftTree
-from specdec.verify import greedy_accept
+from specdec.tree import DraftChain, DraftTree, start_tree
+from specdec.verify import chain_accept, greedy_accept
 
 
 def example_tree(mask_out=None):
@@ -64,3 +65,40 @@ def test_chain_topk1():
     assert torch.equal(vt.mask[0], torch.tril(torch.ones(3, 3, dtype=torch.bool)))
     res = greedy_accept(vt, torch.tensor([[3, 5, 8], [4, 0, 0]]), num_steps=2)
     assert res.emitted.tolist() == [[3, 5, 8], [4, 0, -1]]
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 3, 5])
+def test_draft_chain_and_chain_accept_match_the_general_tree(num_steps):
+    """topk = 1: DraftChain's constant layout and chain_accept's prefix rule give exactly what
+    the general DraftTree and greedy_accept give, for every accept length."""
+    g = torch.Generator().manual_seed(num_steps)
+    batch, vocab = 64, 4  # a small vocab: many partial matches
+    probs = torch.rand(num_steps, batch, 1, generator=g)
+    ids = torch.randint(vocab, (num_steps, batch, 1), generator=g)
+    root = torch.randint(vocab, (batch,), generator=g)
+    general, chain = DraftTree(probs[0], ids[0]), start_tree(probs[0], ids[0])
+    assert isinstance(chain, DraftChain)
+    for p, i in zip(probs[1:], ids[1:]):
+        general.grow(p[:, :, None], i[:, :, None])
+        chain.grow(p[:, :, None], i[:, :, None])
+        assert torch.equal(chain.frontier_tokens, general.frontier_tokens)
+    buf = torch.zeros(batch + 1, num_steps + 1, num_steps + 1, dtype=torch.bool)
+    want, got = general.build(root, num_steps + 1, num_steps), chain.build(root, num_steps + 1, num_steps, buf)
+    for name, t in vars(want).items():
+        assert torch.equal(getattr(got, name), t), name
+    assert got.mask.data_ptr() == buf.data_ptr()
+    # target predictions agreeing with the chain for a random prefix, random after it
+    agree = torch.randint(num_steps + 1, (batch,), generator=g)
+    pred = torch.randint(vocab, (batch, num_steps + 1), generator=g)
+    prefix = torch.arange(num_steps)[None, :] < agree[:, None]
+    pred[:, :-1] = torch.where(prefix, want.tokens[:, 1:], pred[:, :-1])
+    ref, res = greedy_accept(want, pred, num_steps), chain_accept(got, pred, num_steps)
+    assert (ref.accept_len >= agree).all()
+    for name, t in vars(ref).items():
+        assert torch.equal(getattr(res, name), t), name
+
+
+def test_draft_chain_checks_the_tree_size():
+    chain = DraftChain(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="num_draft_tokens=3"):
+        chain.build(torch.zeros(2, dtype=torch.long), 3, 2)
