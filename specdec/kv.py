@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attn.base import KV_DIM, KVCacheView
+from attn.base import KV_DIM, KVCacheView, const_arange
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -63,6 +63,8 @@ class MLAKVPool:
         self._free_rows = list(range(max_requests, PADDING_ROW, -1))
         self._requests: dict[int, _Request] = {}
         self.capacity = [0] * (max_requests + 1)  # tokens each row's pages hold: a cheap per-step check
+        self._staging: torch.Tensor | None = None  # pinned [2, num_pages] int64 (CUDA): see _write_slots
+        self._staging_done: torch.cuda.Event | None = None
 
     def view(self) -> KVCacheView:
         """What attention backends see of this pool."""
@@ -126,13 +128,21 @@ class MLAKVPool:
         self._free_rows.append(row)
 
     def _write_slots(self, writes: list[tuple[int, int]]) -> None:
-        """Point each new page's ``page_size`` positions at its slots: one index_copy_ of
-        ``[2, pages * page_size]`` int64 (flat req_to_token index, slot) staged in pinned memory,
-        so page growth inside a step does not sync."""
-        ps = self.page_size
-        start_page = torch.tensor(writes, dtype=torch.long).T  # [2, pages]
-        offsets = torch.arange(ps)
-        pairs = torch.stack([start_page[0, :, None] + offsets, start_page[1, :, None] * ps + offsets]).flatten(1)
+        """Point each new page's ``page_size`` positions at its slots without a sync: the
+        (flat req_to_token index, page) pairs go to the device through a persistent pinned
+        staging buffer and are expanded to every position there, one index_copy_ in all."""
+        pairs = torch.tensor(writes, dtype=torch.long).T  # [2, pages]
         if self.device.type == "cuda":
-            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
-        self.req_to_token.view(-1).index_copy_(0, pairs[0], pairs[1].to(torch.int32))
+            if self._staging is None:
+                self._staging = torch.empty(2, self.num_pages, dtype=torch.long, pin_memory=True)
+                self._staging_done = torch.cuda.Event()
+            else:
+                self._staging_done.synchronize()  # the last write's copy has left the buffer (long since)
+            staged = self._staging[:, : pairs.shape[1]]
+            staged.copy_(pairs)
+            pairs = staged.to(self.device, non_blocking=True)
+            self._staging_done.record()
+        offsets = const_arange(self.page_size, self.device)
+        index = (pairs[0, :, None] + offsets).flatten()
+        slots = (pairs[1, :, None] * self.page_size + offsets).flatten()
+        self.req_to_token.view(-1).index_copy_(0, index, slots.to(torch.int32))
