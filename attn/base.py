@@ -40,7 +40,8 @@ def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dty
     cached = _ARANGES.get(key)
     if cached is not None:
         return cached
-    t = torch.arange(0, end, step, dtype=dtype, device=device)
+    with torch.inference_mode(False):  # a normal tensor: usable inside inference mode or not
+        t = torch.arange(0, end, step, dtype=dtype, device=device)
     if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         _ARANGES[key] = t
     return t

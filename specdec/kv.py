@@ -129,18 +129,19 @@ class MLAKVPool:
 
     def _write_slots(self, writes: list[tuple[int, int]]) -> None:
         """Point each new page's ``page_size`` positions at its slots without a sync: the
-        (flat req_to_token index, page) pairs go to the device through a persistent pinned
-        staging buffer and are expanded to every position there, one index_copy_ in all."""
-        pairs = torch.tensor(writes, dtype=torch.long).T  # [2, pages]
-        if self.device.type == "cuda":
-            if self._staging is None:
-                self._staging = torch.empty(2, self.num_pages, dtype=torch.long, pin_memory=True)
-                self._staging_done = torch.cuda.Event()
-            else:
-                self._staging_done.synchronize()  # the last write's copy has left the buffer (long since)
-            staged = self._staging[:, : pairs.shape[1]]
-            staged.copy_(pairs)
-            pairs = staged.to(self.device, non_blocking=True)
+        (flat req_to_token index, page) pairs go to the device through a persistent staging
+        buffer (pinned on CUDA) and are expanded to every position there, one index_copy_ in all."""
+        on_cuda = self.device.type == "cuda"
+        if self._staging is None:
+            with torch.inference_mode(False):  # updated in place later, inside inference mode or not
+                self._staging = torch.empty(2, self.num_pages, dtype=torch.long, pin_memory=on_cuda)
+            self._staging_done = torch.cuda.Event() if on_cuda else None
+        elif on_cuda:
+            self._staging_done.synchronize()  # the last write's copy has left the buffer (long since)
+        staged = self._staging[:, : len(writes)]
+        staged.copy_(torch.tensor(writes, dtype=torch.long).T)
+        pairs = staged.to(self.device, non_blocking=True)
+        if on_cuda:
             self._staging_done.record()
         offsets = const_arange(self.page_size, self.device)
         index = (pairs[0, :, None] + offsets).flatten()

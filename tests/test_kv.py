@@ -68,3 +68,17 @@ def test_growing_many_rows_is_one_all_or_nothing_write():
     assert torch.equal(pool.req_to_token, before)
     pool.trim(a, 4)
     assert pool.capacity[a] == 4 and pool.num_free_pages == 3
+
+
+def test_growth_inside_and_outside_inference_mode_writes_every_slot():
+    """Page writes go through one reused staging buffer; growing from inside and then outside
+    inference mode (an engine's step, then its admission) both land."""
+    pool = MLAKVPool(1, 10, 4, 2, 16, torch.float32)
+    row = pool.alloc_request()
+    with torch.inference_mode():
+        pool.ensure_capacity(row, 5)
+    pool.ensure_capacity(row, 9)
+    pages = pool.req_to_token[row, :12:4] // 4
+    expected = (pages[:, None] * 4 + torch.arange(4)).flatten()
+    assert torch.equal(pool.req_to_token[row, :12], expected.int())
+    assert len(set(pages.tolist())) == 3 and 0 not in pages.tolist()
