@@ -124,8 +124,6 @@ class DraftChain:
     drafted token in order (num_draft_tokens = num_steps + 1), so the draft probabilities play
     no part and parents, depth, ranks and mask are constants."""
 
-    topk = 1
-
     def __init__(self, probs: torch.Tensor, ids: torch.Tensor) -> None:
         """ids ``[B, 1]``: the first step's token (probs unused)."""
         self.frontier_tokens = ids
