@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_LORA_RANK, QK_ROPE_DIM, AttnBatch
+from attn.base import KV_LORA_RANK, QK_ROPE_DIM, AttnBatch, const_arange
 from attn.paged import PagedMLABackend
 
 
@@ -37,6 +37,7 @@ class FlashInferMLABackend(PagedMLABackend):
         # One float workspace (split-KV partials) for this backend's wrappers: they run one at a time.
         self._float_workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.kv.device)
         self.wrapper = BatchMLAPagedAttentionWrapper(self._float_workspace, backend=self._backend)
+        self.wrapper_in_use = self.wrapper  # or the batch size's graph-mode wrapper (init_forward_metadata)
         self._graph_wrappers: dict[int, object] = {}  # batch size -> graph-mode wrapper, planned on the host
         self._kv_indices: Optional[torch.Tensor] = None  # graph mode: [max_bs * max_pages + 1] int32, last entry trash
         self._host_csr: Optional[torch.Tensor] = None
@@ -71,7 +72,7 @@ class FlashInferMLABackend(PagedMLABackend):
         md, ps = self.metadata, self.page_size
         live = (md.seq_lens + ps - 1) // ps  # [bs] int32 pages in use
         start = torch.cumsum(live, 0, dtype=torch.int32) - live
-        cols = torch.arange(md.block_tables.shape[1], device=live.device)
+        cols = const_arange(md.block_tables.shape[1], live.device)
         trash = self._kv_indices.shape[0] - 1
         dest = torch.where(cols < live[:, None], start[:, None] + cols, trash)
         self._kv_indices.scatter_(0, dest.flatten().long(), md.block_tables.flatten())

@@ -63,8 +63,8 @@ class MLAKVPool:
         self._free_rows = list(range(max_requests, PADDING_ROW, -1))
         self._requests: dict[int, _Request] = {}
         self.capacity = [0] * (max_requests + 1)  # tokens each row's pages hold: a cheap per-step check
-        self._staging: torch.Tensor | None = None  # pinned [2, num_pages] int64 (CUDA): see _write_slots
-        self._staging_done: torch.cuda.Event | None = None
+        self._staging: torch.Tensor | None = None  # [2, num_pages] int64, pinned on CUDA: see _write_slots
+        self._staging_done: torch.cuda.Event | None = None  # CUDA: after the staging buffer's last copy
 
     def view(self) -> KVCacheView:
         """What attention backends see of this pool."""
@@ -114,7 +114,7 @@ class MLAKVPool:
             self._write_slots(writes)
 
     def trim(self, row: int, num_tokens: int) -> None:
-        """Return the pages of request ``row`` past position ``num_tokens`` (rejected drafts)."""
+        """Return the pages of request ``row`` past position ``num_tokens`` (0 frees them all)."""
         req = self._request(row)
         keep = -(-num_tokens // self.page_size)
         while len(req.pages) > keep:
