@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from attn.base import KV_DIM, KVCacheView, const_arange
+from attn.base import KV_DIM, KVCacheView
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -52,6 +53,9 @@ class MLAKVPool:
             raise ValueError(f"num_pages must be at least 2 (page 0 is the padding sink), got {num_pages}")
         if max_context_len % page_size:
             raise ValueError(f"max_context_len {max_context_len} must be a multiple of page_size {page_size}")
+        if (max_requests + 1) * max_context_len >= 2**31:
+            raise ValueError(f"(max_requests + 1) * max_context_len must stay below 2**31 (int32 slot indices), got "
+                             f"{max_requests + 1} * {max_context_len}; lower one of them")
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_context_len = max_context_len
@@ -62,8 +66,8 @@ class MLAKVPool:
         self._free_pages = list(range(num_pages - 1, PADDING_PAGE, -1))  # pop() hands out low pages first
         self._free_rows = list(range(max_requests, PADDING_ROW, -1))
         self._requests: dict[int, _Request] = {}
-        self.capacity = [0] * (max_requests + 1)  # tokens each row's pages hold: a cheap per-step check
-        self._staging: torch.Tensor | None = None  # [2, num_pages] int64, pinned on CUDA: see _write_slots
+        self.capacity = np.zeros(max_requests + 1, dtype=np.int64)  # tokens each row's pages hold: a vectorised per-step check
+        self._staging: torch.Tensor | None = None  # [2, n] int32, pinned on CUDA: see _write_slots
         self._staging_done: torch.cuda.Event | None = None  # CUDA: after the staging buffer's last copy
 
     def view(self) -> KVCacheView:
@@ -129,21 +133,25 @@ class MLAKVPool:
 
     def _write_slots(self, writes: list[tuple[int, int]]) -> None:
         """Point each new page's ``page_size`` positions at its slots without a sync: the
-        (flat req_to_token index, page) pairs go to the device through a persistent staging
-        buffer (pinned on CUDA) and are expanded to every position there, one index_copy_ in all."""
+        (flat req_to_token index, slot) pairs are expanded on the host and go to the device
+        through a persistent staging buffer (pinned on CUDA), then one indexed write. Few torch
+        calls: on the host each costs more than the numpy work."""
+        firsts, pages = np.asarray(writes, dtype=np.int64).T
+        offsets = np.arange(self.page_size, dtype=np.int64)
+        n = len(writes) * self.page_size
         on_cuda = self.device.type == "cuda"
-        if self._staging is None:
+        if self._staging is None or self._staging.shape[1] < n:
+            if self._staging_done is not None:
+                self._staging_done.synchronize()  # the old buffer's last copy is done before it is freed
             with torch.inference_mode(False):  # updated in place later, inside inference mode or not
-                self._staging = torch.empty(2, self.num_pages, dtype=torch.long, pin_memory=on_cuda)
+                self._staging = torch.empty(2, 1 << (n - 1).bit_length(), dtype=torch.int32, pin_memory=on_cuda)
             self._staging_done = torch.cuda.Event() if on_cuda else None
         elif on_cuda:
             self._staging_done.synchronize()  # the last write's copy has left the buffer (long since)
-        staged = self._staging[:, : len(writes)]
-        staged.copy_(torch.tensor(writes, dtype=torch.long).T)
-        pairs = staged.to(self.device, non_blocking=True)
+        staged = self._staging.numpy()
+        staged[0, :n] = (firsts[:, None] + offsets).ravel()
+        staged[1, :n] = (pages[:, None] * self.page_size + offsets).ravel()
+        index, slots = self._staging[:, :n].to(self.device, non_blocking=True)
         if on_cuda:
             self._staging_done.record()
-        offsets = const_arange(self.page_size, self.device)
-        index = (pairs[0, :, None] + offsets).flatten()
-        slots = (pairs[1, :, None] * self.page_size + offsets).flatten()
-        self.req_to_token.view(-1).index_copy_(0, index, slots.to(torch.int32))
+        self.req_to_token.view(-1)[index] = slots

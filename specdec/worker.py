@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from attn.base import AttnBatch, ForwardMode, const_arange
@@ -46,6 +47,32 @@ class Request:
     seq_len: int = 0
     output: list[int] = field(default_factory=list)
     finished: bool = False
+
+
+@dataclass
+class _BatchHost:
+    """Host arrays of the running batch, aligned with ``EagleWorker.requests`` and rebuilt when
+    the batch changes, so the per-step bookkeeping is a few numpy calls, not a loop per request.
+
+    seq_len / out_len / max_new / eos / target_row / draft_row: ``[B]`` int64 (eos -1: none);
+    device_rows: the target and draft rows ``[B]`` int64 on the device.
+    """
+
+    seq_len: np.ndarray
+    out_len: np.ndarray
+    max_new: np.ndarray
+    eos: np.ndarray
+    target_row: np.ndarray
+    draft_row: np.ndarray
+    device_rows: tuple[torch.Tensor, torch.Tensor]
+
+    @staticmethod
+    def of(requests: list[Request], device: torch.device) -> "_BatchHost":
+        table = np.array([(r.seq_len, len(r.output), r.max_new_tokens, -1 if r.eos_token_id is None else r.eos_token_id,
+                           r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 6)
+        seq_len, out_len, max_new, eos, target_row, draft_row = table.T.copy()
+        rows = host_to_device(np.stack([target_row, draft_row]).tolist(), device)
+        return _BatchHost(seq_len, out_len, max_new, eos, target_row, draft_row, (rows[0], rows[1]))
 
 
 @dataclass
@@ -120,7 +147,7 @@ class EagleWorker:
         self.last_tree: Optional[VerifyTree] = None  # the tree verified by the last step, for inspection
         self.graph_runner = None  # set by graphs.runner.GraphRunner(worker)
         self._next_rid = 0
-        self._rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # device rows of the running batch
+        self._batch: Optional[_BatchHost] = None  # host arrays of the running batch; None: rebuild
         self._emitted = _HostCopy((bs, steps + 1), self.device)  # the step's one device-to-host copy
 
     # ------------------------------------------------------------ admission
@@ -168,7 +195,7 @@ class EagleWorker:
             new_state = new_state.select(torch.tensor(keep, device=self.device))
             self.state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
             self.requests.extend(new[i] for i in keep)
-            self._rows = None
+            self._batch = None
         return new
 
     def _allocate(self, prompts: list[list[int]], max_new_tokens: int, eos: Optional[int], sampling: list[SamplingParams]) -> list[Request]:
@@ -290,18 +317,20 @@ class EagleWorker:
     def state_from(tensors: dict[str, torch.Tensor]) -> DecodeState:
         return DecodeState(**{name: tensors[name] for name in DecodeState.__dataclass_fields__})
 
+    def _batch_host(self) -> _BatchHost:
+        if self._batch is None:
+            self._batch = _BatchHost.of(self.requests, self.device)
+        return self._batch
+
     def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
         """(state, target rows ``[B]``, draft rows ``[B]``) of the running batch; the rows are
         built once per change of the batch (the same tensors while it runs unchanged)."""
-        if self._rows is None:
-            self._rows = (host_to_device([r.target_row for r in self.requests], self.device),
-                          host_to_device([r.draft_row for r in self.requests], self.device))
-        return self.state, *self._rows
+        return self.state, *self._batch_host().device_rows
 
     def host_seq_lens(self, batch_size: int) -> torch.Tensor:
         """N of each running request, zero-padded to ``batch_size`` rows: ``[batch_size]`` int32 host."""
         lens = torch.zeros(batch_size, dtype=torch.int32)
-        lens[: len(self.requests)] = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32)
+        lens[: len(self.requests)] = torch.from_numpy(self._batch_host().seq_len)
         return lens
 
     def plan_passes_on_host(self, seq_lens: torch.Tensor) -> None:
@@ -328,22 +357,22 @@ class EagleWorker:
         return result, self.draft_extend(st, result, hidden, draft_rows), tree
 
     def _reserve_pages(self) -> None:
-        """Pages for the verify tree and the draft region past each request's prefix; a list
-        comparison per request, pool work only for the requests that cross a page. A request
-        that grows gets GROW_AHEAD_PAGES more pages while the pool has them, so the pool's
-        req_to_token write (host work and a copy) comes every few pages, not every page."""
-        cfg = self.config
-        for pool, row_of, extra in ((self.target_pool, "target_row", cfg.num_draft_tokens),
-                                    (self.draft_pool, "draft_row", self.draft_offset + cfg.draft_region_len)):
-            cap = pool.capacity
-            grow = [(getattr(r, row_of), r.seq_len + extra) for r in self.requests if r.seq_len + extra > cap[getattr(r, row_of)]]
-            if grow:
-                rows, need = map(list, zip(*grow))
-                ahead = GROW_AHEAD_PAGES * pool.page_size
+        """Pages for the verify tree and the draft region past each request's prefix: one
+        vectorised comparison per pool, pool work only for the requests that cross a page. A
+        request that grows gets GROW_AHEAD_PAGES more pages while the pool has them, so the
+        pool's req_to_token write (host work and a copy) comes every few pages, not every page."""
+        cfg, h = self.config, self._batch_host()
+        for pool, rows, extra in ((self.target_pool, h.target_row, cfg.num_draft_tokens),
+                                  (self.draft_pool, h.draft_row, self.draft_offset + cfg.draft_region_len)):
+            need = h.seq_len + extra
+            short = np.flatnonzero(need > pool.capacity[rows])
+            if short.size:
+                grow, need = rows[short].tolist(), need[short]
                 try:
-                    pool.ensure_capacity_many(rows, [min(n + ahead, pool.max_context_len) for n in need])
+                    pool.ensure_capacity_many(
+                        grow, np.minimum(need + GROW_AHEAD_PAGES * pool.page_size, pool.max_context_len).tolist())
                 except OutOfPagesError:
-                    pool.ensure_capacity_many(rows, need)
+                    pool.ensure_capacity_many(grow, need.tolist())
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
@@ -452,30 +481,29 @@ class EagleWorker:
 
     def finish_step(self, result: AcceptResult) -> StepStats:
         """Wait for the step's one device-to-host copy (started by launch_step, of ``result``);
-        then host bookkeeping and finished requests."""
-        emitted = self._emitted.wait().tolist()
-        keep, accept_lens, total = [], [], 0
-        for req, row in zip(self.requests, emitted):
-            tokens = row[: row.index(-1)] if row[-1] < 0 else row  # accepted tokens and the bonus, then -1
-            accept_lens.append(len(tokens) - 1)
-            req.seq_len += len(tokens)
-            room = req.max_new_tokens - len(req.output)
-            tokens = tokens[:room]
-            if req.eos_token_id is not None and req.eos_token_id in tokens:
-                tokens = tokens[: tokens.index(req.eos_token_id) + 1]
-                req.finished = True
-            req.output.extend(tokens)
-            total += len(tokens)
-            req.finished |= len(req.output) >= req.max_new_tokens
-            if req.finished:
-                self._release(req)
-            else:
-                keep.append(len(accept_lens) - 1)
-        if len(keep) < len(self.requests):
+        then host bookkeeping, vectorised over the batch, and finished requests leave."""
+        emitted = self._emitted.wait().numpy()  # [B, num_steps + 1]: accepted tokens, the bonus, then -1
+        h = self._batch_host()
+        num = (emitted >= 0).sum(1)
+        h.seq_len += num
+        take = np.minimum(num, h.max_new - h.out_len)  # what still fits in max_new_tokens
+        at_eos = (emitted == h.eos[:, None]) & (np.arange(emitted.shape[1]) < take[:, None])
+        stop = at_eos.any(1)
+        take = np.where(stop, at_eos.argmax(1) + 1, take)  # up to and including the first eos
+        h.out_len += take
+        done = stop | (h.out_len >= h.max_new)
+        for req, row, k, n in zip(self.requests, emitted.tolist(), take.tolist(), h.seq_len.tolist()):
+            req.output.extend(row[:k])
+            req.seq_len = n
+        if done.any():
+            keep = np.flatnonzero(~done).tolist()
+            for i in np.flatnonzero(done).tolist():
+                self.requests[i].finished = True
+                self._release(self.requests[i])
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
-            self._rows = None
-        return StepStats(accept_lens, total)
+            self._batch = None
+        return StepStats((num - 1).tolist(), int(take.sum()))
 
 
 class _HostCopy:

@@ -63,6 +63,26 @@ def test_identity_draft_accepts_the_best_path(target, topk, num_steps, ndt):
     assert [r.output for r in reqs] == expected
 
 
+def test_eos_and_max_new_tokens_end_requests_mid_step(target):
+    """A request stops at its first eos (kept) or at max_new_tokens even when a step accepts
+    tokens past it; the rest of the batch runs on, and every page comes back."""
+    group = prompts(4, seed=11)
+    max_new = 14  # the prefill token + 3 steps of 4 tokens, then 1 of the next step's 4
+    expected = greedy_generate(target, group, max_new)
+    eos = expected[0][6]  # mid-step for request 0 (steps emit outputs 1-4, 5-8, ...)
+    want = [seq[: seq.index(eos) + 1] if eos in seq else seq for seq in expected]
+    assert any(len(w) < max_new for w in want) and any(len(w) == max_new for w in want)
+    cfg = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4, draft_mode="standalone", max_batch_size=4, max_context_len=128)
+    worker = EagleWorker(target, StandaloneDraft(target), cfg)
+    free_before = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    reqs = worker.add_requests(group, max_new, eos_token_id=eos)
+    while worker.requests:
+        stats = worker.step()
+        assert stats.accept_lens and all(n == 3 for n in stats.accept_lens)
+    assert [r.output for r in reqs] == want and all(r.finished for r in reqs)
+    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free_before
+
+
 def test_standalone_draft_lossless(target):
     torch.manual_seed(5)
     small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1)).eval()
