@@ -35,7 +35,8 @@ GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see Eagl
 
 @dataclass
 class Request:
-    """Host-side view of one request. ``seq_len`` is N: target KV length (root excluded)."""
+    """Host-side view of one request: its prompt, the tokens emitted so far (``output``, the
+    prefill's token first) and its KV rows."""
 
     rid: int
     prompt: list[int]
@@ -44,9 +45,14 @@ class Request:
     target_row: int
     draft_row: int
     sampling: SamplingParams = SamplingParams()
-    seq_len: int = 0
     output: list[int] = field(default_factory=list)
     finished: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """N, the target's KV length while the request runs: every emitted token but the last
+        (the root) is in the cache after the prompt."""
+        return len(self.prompt) + len(self.output) - 1
 
 
 @dataclass
@@ -55,7 +61,7 @@ class _BatchHost:
     the batch changes, so the per-step bookkeeping is a few numpy calls, not a loop per request.
 
     seq_len / out_len / max_new / eos / target_row / draft_row: ``[B]`` int64 (eos -1: none);
-    device_rows: the target and draft rows ``[B]`` int64 on the device.
+    outputs: the requests' output lists; device_rows: target and draft rows ``[B]`` int64 on the device.
     """
 
     seq_len: np.ndarray
@@ -64,6 +70,7 @@ class _BatchHost:
     eos: np.ndarray
     target_row: np.ndarray
     draft_row: np.ndarray
+    outputs: list[list[int]]
     device_rows: tuple[torch.Tensor, torch.Tensor]
 
     @staticmethod
@@ -72,7 +79,8 @@ class _BatchHost:
                            r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 6)
         seq_len, out_len, max_new, eos, target_row, draft_row = table.T.copy()
         rows = host_to_device(np.stack([target_row, draft_row]).tolist(), device)
-        return _BatchHost(seq_len, out_len, max_new, eos, target_row, draft_row, (rows[0], rows[1]))
+        return _BatchHost(seq_len, out_len, max_new, eos, target_row, draft_row, [r.output for r in requests],
+                          (rows[0], rows[1]))
 
 
 @dataclass
@@ -248,8 +256,6 @@ class EagleWorker:
         dhidden = self._forward(self.draft, self.draft_prefill_backend, dbatch, draft_ids, draft_positions, hidden if off == 0 else None)
         dlast = dbatch.cu_seqlens_q[1:].long() - 1
         cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk, params[0])
-        for req, n in zip(new, lens):
-            req.seq_len = n
         seq_lens = torch.tensor(lens, device=dev)
         return DecodeState(root, seq_lens, dhidden[dlast], *cand, *params, torch.ones_like(params[3]))
 
@@ -492,9 +498,8 @@ class EagleWorker:
         take = np.where(stop, at_eos.argmax(1) + 1, take)  # up to and including the first eos
         h.out_len += take
         done = stop | (h.out_len >= h.max_new)
-        for req, row, k, n in zip(self.requests, emitted.tolist(), take.tolist(), h.seq_len.tolist()):
-            req.output.extend(row[:k])
-            req.seq_len = n
+        for out, row, k in zip(h.outputs, emitted.tolist(), take.tolist()):
+            out += row[:k]
         if done.any():
             keep = np.flatnonzero(~done).tolist()
             for i in np.flatnonzero(done).tolist():
@@ -508,24 +513,29 @@ class EagleWorker:
 
 class _HostCopy:
     """A reusable pinned int64 host buffer and event: a non-blocking copy of a device tensor's
-    leading rows (enqueue, which a CUDA graph can capture), the event recorded after it (start),
-    then a wait on the event, not on the whole device (wait)."""
+    leading rows, then the event's record (enqueue; a CUDA graph captures both, the event as an
+    external record node, so a replayed step launches neither), then a wait on the event, not
+    on the whole device (wait)."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
         self.buffer = torch.empty(shape, dtype=torch.long, pin_memory=self.on_cuda)
-        self.event = torch.cuda.Event() if self.on_cuda else None
+        self.event = torch.cuda.Event(external=True) if self.on_cuda else None
         self.host: Optional[torch.Tensor] = None
+        self._views: dict[int, torch.Tensor] = {}  # rows -> buffer[:rows]
 
     def enqueue(self, t: torch.Tensor) -> None:
-        """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in stream order."""
+        """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in
+        stream order, and record the event after it."""
         self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
-
-    def start(self, rows: int) -> None:
-        """The copy of ``rows`` rows is enqueued: record the event after it."""
-        self.host = self.buffer[:rows]
         if self.on_cuda:
             self.event.record()
+
+    def start(self, rows: int) -> None:
+        """A copy of ``rows`` rows is enqueued (eagerly or by a replayed graph): wait may come."""
+        self.host = self._views.get(rows)
+        if self.host is None:
+            self.host = self._views[rows] = self.buffer[:rows]
 
     def wait(self) -> torch.Tensor:
         """The started copy (a view of the buffer: valid until the next start)."""
