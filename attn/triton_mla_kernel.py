@@ -73,9 +73,9 @@ def tile_shape(num_heads: int, max_q_len: int) -> TileShape:
     return TileShape(block_h=block_h, block_q=block_q)
 
 
-def num_row_blocks(num_heads: int, max_q_len: int) -> int:
-    """Programs per request and split: head blocks x query-token blocks."""
-    tile = tile_shape(num_heads, max_q_len)
+def num_row_blocks(num_heads: int, max_q_len: int, tile: TileShape | None = None) -> int:
+    """Programs per request and split: head blocks x query-token blocks (of the default tile)."""
+    tile = tile or tile_shape(num_heads, max_q_len)
     return math.ceil(num_heads / tile.block_h) * math.ceil(max_q_len / tile.block_q)
 
 
@@ -85,11 +85,26 @@ def min_split_len(tile: TileShape) -> int:
     return max(32, 2 * tile.rows)
 
 
-def plan_num_splits(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int) -> int:
-    """Split-KV count for a launch, from static sizes only (CUDA-graph safe).
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Tile, launch parameters and split-KV count of one attention launch."""
 
-    Enough splits to give every SM its resident programs (programs_per_sm), in whole waves
-    (a second, nearly empty wave costs almost as much as the first), but no split shorter than
+    tile: TileShape
+    config: KernelConfig
+    num_splits: int
+
+
+def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int) -> LaunchPlan:
+    """Tile and split-KV count for a launch, from static sizes only (CUDA-graph safe).
+
+    The tile is tile_shape's, halved once (query tokens first, then heads) when even the most
+    splits its kv allows would give it less than half a wave of programs: such a launch (few
+    requests, short contexts) is latency-bound and gains more from twice the programs than it
+    loses to reading its kv once more per extra row block (H100: 1 x 1k x 128 heads 17.8 ->
+    12.3 us, 1 x 4k x q_len 4 x 16 heads 21.3 -> 15.5 us).
+
+    Splits: enough to give every SM its resident programs (programs_per_sm), in whole waves (a
+    second, nearly empty wave costs almost as much as the first), but none shorter than
     min_split_len of the longest possible sequence (``max_kv_len``, e.g. block-table width x
     page size), and at most MAX_SPLITS. Per request the kernel cuts its own length into this
     many chunks, so short requests just leave some splits empty.
@@ -97,19 +112,28 @@ def plan_num_splits(batch_size: int, num_heads: int, max_q_len: int, max_kv_len:
     for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
                         ("num_sms", num_sms)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan_num_splits: {name} must be a positive int, got {value!r}")
+            raise ValueError(f"plan_launch: {name} must be a positive int, got {value!r}")
     if not isinstance(max_kv_len, int) or max_kv_len < 0:
-        raise ValueError(f"plan_num_splits: max_kv_len must be a non-negative int, got {max_kv_len!r}")
+        raise ValueError(f"plan_launch: max_kv_len must be a non-negative int, got {max_kv_len!r}")
+
+    def waves(tile: TileShape) -> tuple[KernelConfig, int, int, int]:
+        """(config, slots, programs per split, most splits) of a tile."""
+        config = select_config(tile)
+        per_split = batch_size * num_row_blocks(num_heads, max_q_len, tile) * config.v_split
+        cap = max(1, min(math.ceil(max_kv_len / min_split_len(tile)), MAX_SPLITS))
+        return config, programs_per_sm(tile, config) * num_sms, per_split, cap
+
     tile = tile_shape(num_heads, max_q_len)
-    config = select_config(tile)
-    slots = programs_per_sm(tile, config) * num_sms
-    per_split = batch_size * num_row_blocks(num_heads, max_q_len) * config.v_split
-    cap = max(1, min(math.ceil(max_kv_len / min_split_len(tile)), MAX_SPLITS))
+    config, slots, per_split, cap = waves(tile)
+    if tile.rows > 16 and 2 * per_split * cap < slots:
+        tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
+        config, slots, per_split, cap = waves(tile)
     # Whole waves only: a split count whose programs overflow the slots by a few would run a
     # nearly empty second wave, so of floor and ceil of slots / per_split take the one with the
     # least time per unit of work (waves / splits); ties go to fewer splits.
     candidates = sorted({max(1, min(n, cap)) for n in (slots // per_split, math.ceil(slots / per_split))})
-    return min(candidates, key=lambda n: (math.ceil(n * per_split / slots) / n, n))
+    num_splits = min(candidates, key=lambda n: (math.ceil(n * per_split / slots) / n, n))
+    return LaunchPlan(tile, config, num_splits)
 
 
 def programs_per_sm(tile: TileShape, config: KernelConfig) -> int:
@@ -137,9 +161,9 @@ def select_config(tile: TileShape) -> KernelConfig:
 @_jit
 def _attend_tile(
     acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off,
-    kv_ptr, bt_row_ptr, start, kv_len, page_size, stride_kv_page, stride_kv_row,
+    kv_ptr, bt_row_ptr, start, kv_len, stride_kv_page, stride_kv_row,
     q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
-    BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
     MASKED: tl.constexpr, HAS_MASK: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
     """One online-softmax step over kv rows [start, start + BLOCK_N) of one request.
@@ -152,12 +176,19 @@ def _attend_tile(
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_V)
     offs_pe = tl.arange(0, D_PE)
-    if MASKED:
-        in_range = offs_n < kv_len
-        page = tl.load(bt_row_ptr + offs_n // page_size, mask=in_range, other=0)
+    in_range = offs_n < kv_len
+    if PAGE_SIZE % BLOCK_N == 0:
+        # Tiles start at multiples of BLOCK_N, so the whole tile lies in one page: one block-table
+        # read and rows at a fixed stride from it (rows past kv_len stay inside the page).
+        page = tl.load(bt_row_ptr + start // PAGE_SIZE).to(tl.int64)
+        first = kv_ptr + page * stride_kv_page + (start % PAGE_SIZE) * stride_kv_row
+        row_ptr = first + tl.arange(0, BLOCK_N) * stride_kv_row
     else:
-        page = tl.load(bt_row_ptr + offs_n // page_size)
-    row_ptr = kv_ptr + page.to(tl.int64) * stride_kv_page + (offs_n % page_size).to(tl.int64) * stride_kv_row
+        if MASKED:
+            page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=in_range, other=0)
+        else:
+            page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE)
+        row_ptr = kv_ptr + page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kv_row
     if MASKED:
         k_nope = tl.load(row_ptr[:, None] + own_off + offs_d[None, :], mask=in_range[:, None], other=0.0)
         k_pe = tl.load(row_ptr[:, None] + D_V * V_SPLIT + offs_pe[None, :], mask=in_range[:, None], other=0.0)
@@ -213,8 +244,8 @@ def _mla_attention_kernel(
     q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, o_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv_page, stride_kv_row, stride_bt, stride_mb, stride_mq,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-    page_size, num_splits, mask_len, qk_scale, v_scale,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits, mask_len, qk_scale, v_scale,
+    PAGE_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
     HAS_MASK: tl.constexpr, DIRECT: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
@@ -280,15 +311,15 @@ def _mla_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
     for start in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off, kv_ptr, bt_row_ptr, start, kv_len, page_size,
+            acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off, kv_ptr, bt_row_ptr, start, kv_len,
             stride_kv_page, stride_kv_row, q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
-            BLOCK_N, D_V, D_PE, False, HAS_MASK, V_SPLIT,
+            PAGE_SIZE, BLOCK_N, D_V, D_PE, False, HAS_MASK, V_SPLIT,
         )
     for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off, kv_ptr, bt_row_ptr, start, kv_len, page_size,
+            acc, m_i, l_i, q_nope, q_oth, q_pe, own_off, oth_off, kv_ptr, bt_row_ptr, start, kv_len,
             stride_kv_page, stride_kv_row, q_pos, mask_rows_ptr, mask_start, row_valid, qk_scale,
-            BLOCK_N, D_V, D_PE, True, HAS_MASK, V_SPLIT,
+            PAGE_SIZE, BLOCK_N, D_V, D_PE, True, HAS_MASK, V_SPLIT,
         )
 
     # A row that saw nothing has acc == 0 and l == 0: it outputs exactly 0.
@@ -426,7 +457,7 @@ def mla_paged_attention(
     custom_mask: [B, max_q_len, M] bool or None (causal). With a mask, kv indices before
         seq_lens[b] - M are visible and index j after that iff custom_mask[b, i, j - (seq_lens[b] - M)].
     out: [T, H, 512] in q's dtype, written in place if given.
-    num_splits: split-KV count override (default: plan_num_splits from static sizes).
+    num_splits: split-KV count override (default: plan_launch's, from static sizes).
 
     Returns out [T, H, 512]. Softmax is fp32 with scale sm_scale; a query that sees no key
     (e.g. seq_lens 0 padding) outputs 0. Rows past cu_seqlens_q[B] are not written. Never
@@ -442,12 +473,10 @@ def mla_paged_attention(
         out = q.new_empty(num_tokens, num_heads, KV_LORA_RANK)
     if num_tokens == 0 or batch_size == 0:
         return out
-    if num_splits is None:
-        max_kv_len = min(block_tables.shape[1], kv_cache.shape[0]) * page_size
-        num_splits = plan_num_splits(batch_size, num_heads, max_q_len, max_kv_len, _num_sms(q.device))
-    tile = tile_shape(num_heads, max_q_len)
+    max_kv_len = min(block_tables.shape[1], kv_cache.shape[0]) * page_size
+    plan = plan_launch(batch_size, num_heads, max_q_len, max_kv_len, _num_sms(q.device))
     _launch(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, sm_scale, custom_mask, out,
-            kv_scale, num_splits, tile, select_config(tile), min_split_len(tile))
+            kv_scale, num_splits or plan.num_splits, plan.tile, plan.config, min_split_len(plan.tile))
     return out
 
 
@@ -486,13 +515,13 @@ def _launch(
     mask_strides = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     # Scores in the log2 domain; the fp8 scale multiplies K (here) and V (in the output scale).
     qk_scale = sm_scale * kv_scale * _LOG2E
-    grid = (num_row_blocks(num_heads, max_q_len) * config.v_split, num_splits, batch_size)
+    grid = (num_row_blocks(num_heads, max_q_len, tile) * config.v_split, num_splits, batch_size)
     _mla_attention_kernel[grid](
         q, kv_cache, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *mask_strides,
         *o_strides, lse.stride(0) if not direct else 0, lse.stride(1) if not direct else 0,
-        kv_cache.shape[1], num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale,
-        NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q, BLOCK_N=config.block_n,
+        num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale,
+        PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q, BLOCK_N=config.block_n,
         MIN_CHUNK=min_chunk, D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM,
         HAS_MASK=has_mask, DIRECT=direct, V_SPLIT=config.v_split,
         num_warps=config.num_warps, num_stages=config.num_stages,

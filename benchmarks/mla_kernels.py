@@ -8,7 +8,7 @@ KV bytes = tokens * 576 * 2 and FLOPs = tokens * heads * q_len * 1088 * 2.
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep]
 
 Prints a table, writes it as CSV next to the PNG. --sweep also times alternative launch
-configurations and split counts of the Triton kernel (for retuning select_config/plan_num_splits).
+configurations and split counts of the Triton kernel (for retuning select_config/plan_launch).
 """
 
 import argparse
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from attn.triton_mla_kernel import KernelConfig, _launch, mla_paged_attention, plan_num_splits, tile_shape
+from attn.triton_mla_kernel import KernelConfig, _launch, mla_paged_attention, plan_launch, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64
@@ -138,9 +138,10 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     ours = case.out.clone()
     ours_us = graph_time_us(ours_calls)
     roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
+    plan = plan_launch(case.batch, case.heads, case.q_len, case.block_tables.shape[1] * PAGE_SIZE,
+                       torch.cuda.get_device_properties(0).multi_processor_count)
     row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
-               splits=plan_num_splits(case.batch, case.heads, case.q_len, case.block_tables.shape[1] * PAGE_SIZE,
-                                      torch.cuda.get_device_properties(0).multi_processor_count),
+               tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
                triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
                frac_roofline=roof_us / ours_us, fa3_us=float("nan"), fa3_frac=float("nan"),
                speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))
@@ -157,7 +158,7 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     return row
 
 
-COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads", "{:>5}"), ("splits", "{:>6}"),
+COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads", "{:>5}"), ("tile", "{:>5}"), ("splits", "{:>6}"),
            ("triton_us", "{:>9.1f}"), ("gb_s", "{:>7.0f}"), ("roofline_us", "{:>11.1f}"),
            ("frac_roofline", "{:>13.2f}"), ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.2f}"),
            ("speedup_vs_fa3", "{:>14.2f}"), ("max_diff_vs_fa3", "{:>15.4f}")]

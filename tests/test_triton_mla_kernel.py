@@ -19,7 +19,7 @@ from attn.triton_mla_kernel import (
     min_split_len,
     mla_paged_attention,
     num_row_blocks,
-    plan_num_splits,
+    plan_launch,
     select_config,
     tile_shape,
 )
@@ -124,28 +124,49 @@ def test_min_split_len_keeps_partials_no_larger_than_their_kv():
         assert tile.rows * DV * 4 <= min_split_len(tile) * D * 2
 
 
-def test_plan_num_splits():
+def splits(*sizes) -> int:
+    return plan_launch(*sizes).num_splits
+
+
+def test_plan_launch_splits():
     # Batch 1 decode, 16 heads: two programs per SM, up to MAX_SPLITS.
-    assert plan_num_splits(1, 16, 1, 16384, 132) == MAX_SPLITS
+    assert splits(1, 16, 1, 16384, 132) == MAX_SPLITS
     # Short sequences are never split below min_split_len.
-    assert plan_num_splits(1, 16, 1, 1024, 132) == 1024 // 32
-    assert plan_num_splits(1, 16, 1, 100, 132) == 4
-    assert plan_num_splits(1, 16, 1, 0, 132) == 1
+    assert splits(1, 16, 1, 1024, 132) == 1024 // 32
+    assert splits(1, 16, 1, 100, 132) == 4
+    assert splits(1, 16, 1, 0, 132) == 1
     # 64-row tiles fill the shared memory: one program per SM.
-    assert plan_num_splits(1, 128, 1, 16384, 132) == 66
-    assert plan_num_splits(8, 128, 4, 16384, 132) == 2  # 128 programs fill one wave; 3 would run 192 in two
+    assert splits(1, 128, 1, 16384, 132) == 66
+    assert splits(8, 128, 4, 16384, 132) == 2  # 128 programs fill one wave; 3 would run 192 in two
     # Enough programs already: no split.
-    assert plan_num_splits(128, 128, 4, 16384, 132) == 1
-    assert plan_num_splits(264, 16, 1, 16384, 132) == 1
-    assert plan_num_splits(64, 16, 1, 16384, 132) == 4  # 256 programs: one wave (5 would run 320 in two)
+    assert splits(128, 128, 4, 16384, 132) == 1
+    assert splits(264, 16, 1, 16384, 132) == 1
+    assert splits(64, 16, 1, 16384, 132) == 4  # 256 programs: one wave (5 would run 320 in two)
+
+
+def test_plan_launch_halves_the_tile_of_latency_bound_launches():
+    def tile(*sizes) -> tuple[int, int]:
+        plan = plan_launch(*sizes)
+        assert plan.config == select_config(plan.tile) and plan.tile.rows >= 16
+        return plan.tile.block_h, plan.tile.block_q
+
+    # 1 x 1k x 128 heads: 2 head blocks x at most 8 splits = 16 programs, under half of 132.
+    assert tile(1, 128, 1, 1024, 132) == (32, 1)
+    assert splits(1, 128, 1, 1024, 132) == 1024 // min_split_len(tile_shape(32, 1))
+    assert tile(1, 16, 4, 4096, 132) == (16, 2)  # query tokens are halved first
+    # Enough programs at the default tile: kept.
+    assert tile(1, 128, 1, 16384, 132) == (64, 1)
+    assert tile(8, 128, 1, 4096, 132) == (64, 1)
+    assert tile(8, 16, 4, 4096, 132) == (16, 4)
+    assert tile(1, 16, 1, 64, 132) == (16, 1)  # never below 16 rows
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
                                  dict(num_sms=0)])
-def test_plan_num_splits_rejects_bad_sizes(bad):
+def test_plan_launch_rejects_bad_sizes(bad):
     sizes = dict(batch_size=1, num_heads=16, max_q_len=1, max_kv_len=1024, num_sms=132) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
-        plan_num_splits(**sizes)
+        plan_launch(**sizes)
 
 
 def _valid_args():
