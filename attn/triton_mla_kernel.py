@@ -98,10 +98,11 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     """Tile and split-KV count for a launch, from static sizes only (CUDA-graph safe).
 
     The tile is tile_shape's, halved once (query tokens first, then heads) when even the most
-    splits its kv allows would give it less than half a wave of programs: such a launch (few
+    splits its kv allows would give it less than a quarter wave of programs: such a launch (few
     requests, short contexts) is latency-bound and gains more from twice the programs than it
     loses to reading its kv once more per extra row block (H100: 1 x 1k x 128 heads 17.8 ->
-    12.3 us, 1 x 4k x q_len 4 x 16 heads 21.3 -> 15.5 us).
+    12.5 us, 1 x 4k x q_len 4 x 16 heads 21.3 -> 15.4 us; at half a wave, 1 x 4k x 128 heads
+    lost: 22.4 -> 24.5 us).
 
     Splits: enough to give every SM its resident programs (programs_per_sm), in whole waves (a
     second, nearly empty wave costs almost as much as the first), but none shorter than
@@ -125,7 +126,7 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
 
     tile = tile_shape(num_heads, max_q_len)
     config, slots, per_split, cap = waves(tile)
-    if tile.rows > 16 and 2 * per_split * cap < slots:
+    if tile.rows > 16 and 4 * per_split * cap < slots:
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
         config, slots, per_split, cap = waves(tile)
     # Whole waves only: a split count whose programs overflow the slots by a few would run a

@@ -150,12 +150,13 @@ def test_plan_launch_halves_the_tile_of_latency_bound_launches():
         assert plan.config == select_config(plan.tile) and plan.tile.rows >= 16
         return plan.tile.block_h, plan.tile.block_q
 
-    # 1 x 1k x 128 heads: 2 head blocks x at most 8 splits = 16 programs, under half of 132.
+    # 1 x 1k x 128 heads: 2 head blocks x at most 8 splits = 16 programs, under a quarter of 132.
     assert tile(1, 128, 1, 1024, 132) == (32, 1)
     assert splits(1, 128, 1, 1024, 132) == 1024 // min_split_len(tile_shape(32, 1))
     assert tile(1, 16, 4, 4096, 132) == (16, 2)  # query tokens are halved first
     # Enough programs at the default tile: kept.
     assert tile(1, 128, 1, 16384, 132) == (64, 1)
+    assert tile(1, 128, 1, 4096, 132) == (64, 1)  # 64 programs: half a wave
     assert tile(8, 128, 1, 4096, 132) == (64, 1)
     assert tile(8, 16, 4, 4096, 132) == (16, 4)
     assert tile(1, 16, 1, 64, 132) == (16, 1)  # never below 16 rows
