@@ -60,13 +60,13 @@ class _BatchHost:
     """Host arrays of the running batch, aligned with ``EagleWorker.requests`` and rebuilt when
     the batch changes, so the per-step bookkeeping is a few numpy calls, not a loop per request.
 
-    seq_len / out_len / max_new / eos / target_row / draft_row: ``[B]`` int64 (eos -1: none);
-    outputs: the requests' output lists; device_rows: target and draft rows ``[B]`` int64 on the device.
+    seq_len: N; limit: the N at which max_new_tokens are out (len(prompt) + max_new_tokens - 1);
+    eos (-1: none), target_row, draft_row: all ``[B]`` int64. outputs: the requests' output
+    lists; device_rows: target and draft rows ``[B]`` int64 on the device.
     """
 
     seq_len: np.ndarray
-    out_len: np.ndarray
-    max_new: np.ndarray
+    limit: np.ndarray
     eos: np.ndarray
     target_row: np.ndarray
     draft_row: np.ndarray
@@ -75,12 +75,11 @@ class _BatchHost:
 
     @staticmethod
     def of(requests: list[Request], device: torch.device) -> "_BatchHost":
-        table = np.array([(r.seq_len, len(r.output), r.max_new_tokens, -1 if r.eos_token_id is None else r.eos_token_id,
-                           r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 6)
-        seq_len, out_len, max_new, eos, target_row, draft_row = table.T.copy()
-        rows = host_to_device(np.stack([target_row, draft_row]).tolist(), device)
-        return _BatchHost(seq_len, out_len, max_new, eos, target_row, draft_row, [r.output for r in requests],
-                          (rows[0], rows[1]))
+        table = np.array([(r.seq_len, len(r.prompt) + r.max_new_tokens - 1, -1 if r.eos_token_id is None else r.eos_token_id,
+                           r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 5)
+        seq_len, limit, eos, target_row, draft_row = table.T.copy()
+        rows = host_to_device([target_row.tolist(), draft_row.tolist()], device)
+        return _BatchHost(seq_len, limit, eos, target_row, draft_row, [r.output for r in requests], (rows[0], rows[1]))
 
 
 @dataclass
@@ -491,13 +490,12 @@ class EagleWorker:
         emitted = self._emitted.wait().numpy()  # [B, num_steps + 1]: accepted tokens, the bonus, then -1
         h = self._batch_host()
         num = (emitted >= 0).sum(1)
-        h.seq_len += num
-        take = np.minimum(num, h.max_new - h.out_len)  # what still fits in max_new_tokens
+        take = np.minimum(num, h.limit - h.seq_len)  # what still fits in max_new_tokens
         at_eos = (emitted == h.eos[:, None]) & (np.arange(emitted.shape[1]) < take[:, None])
         stop = at_eos.any(1)
         take = np.where(stop, at_eos.argmax(1) + 1, take)  # up to and including the first eos
-        h.out_len += take
-        done = stop | (h.out_len >= h.max_new)
+        h.seq_len += take  # all `num` for each request that stays: only finishing ones are cut
+        done = stop | (h.seq_len >= h.limit)
         for out, row, k in zip(h.outputs, emitted.tolist(), take.tolist()):
             out += row[:k]
         if done.any():
