@@ -6,9 +6,9 @@ batch is copied into the first rows of the next bucket up; padded rows point at 
 padding row (all slots in the padding page) with N = 0, so they touch no real KV or output.
 
 The draft-extend graph ends by writing the next state back into the static inputs (padded rows
-kept at N = 0) and by copying the emitted tokens into the worker's pinned host buffer, and the
-worker's state is then a view of the static inputs: while the batch runs unchanged a step is
-three replays and an event record. Metadata is built on the device inside the graphs; backends
+kept at N = 0) and by copying the emitted tokens into the worker's pinned host buffer and
+recording the copy's event, and the worker's state is then a view of the static inputs: while
+the batch runs unchanged a step is three replays. Metadata is built on the device inside the graphs; backends
 that plan on the host (``needs_cpu_seq_lens``) are planned from the requests' host lengths before
 each replay. Backends that cannot be captured (``supports_cuda_graph = False``) are refused.
 """
