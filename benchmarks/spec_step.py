@@ -85,7 +85,7 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
         finish.append(time.perf_counter() - t0)
     syncs = count_syncs(worker.step)
     replay = [float("nan")]
-    if worker.graph_runner is not None:  # the floor of launch: the bucket's three graph launches alone
+    if worker.graph_runner is not None:  # the floor of launch: the bucket's graph launch alone
         replay, bucket = [], worker.graph_runner.buckets[0]
         for _ in range(steps):  # (runs the device state past the host's view, within max_context_len: last)
             t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def main() -> None:
 
 @torch.inference_mode()
 def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
-    """Capture every default bucket up to max_bs (3 graphs each); prints time and pool memory."""
+    """Capture every default bucket up to max_bs (one graph each); prints time and pool memory."""
     from graphs.runner import GraphRunner
 
     cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
@@ -147,7 +147,7 @@ def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     runner = GraphRunner(worker, progress=False)
-    print(f"# {backend}: captured {3 * len(runner.buckets)} graphs for buckets {runner.buckets} in "
+    print(f"# {backend}: captured {len(runner.buckets)} graphs for buckets {runner.buckets} in "
           f"{runner.capture_seconds:.2f} s, {(torch.cuda.memory_allocated() - before) / 2**20:.0f} MiB", flush=True)
 
 

@@ -63,3 +63,19 @@ def path_and_emitted(tree: VerifyTree, last: torch.Tensor, accept_len: torch.Ten
     emitted.scatter_(1, accept_len[:, None], bonus[:, None])
     emitted[steps[None, :] > accept_len[:, None]] = -1
     return AcceptResult(accept_len, path, emitted, bonus)
+
+
+def stop_at_limits(result: AcceptResult, seq_lens: torch.Tensor, limit: torch.Tensor, eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each request's output stops this step. seq_lens ``[B]`` int64: N; limit ``[B]``
+    int64: the N at which max_new_tokens run out; eos ``[B]`` int64 (-1: none).
+
+    Returns take ``[B]`` int64: how many leading ``result.emitted`` tokens join the output (the
+    accepted ones and the bonus, cut after the first eos and at the limit), and done ``[B]``
+    bool: the request ends with this step.
+    """
+    cols = const_arange(result.emitted.shape[1], result.emitted.device)
+    take = torch.minimum(result.accept_len + 1, limit - seq_lens)
+    hit = (result.emitted == eos[:, None]) & (cols < take[:, None])
+    first_eos = torch.where(hit, cols, cols.shape[0]).amin(dim=1)  # emitted.shape[1]: none
+    take = torch.minimum(take, first_eos + 1)
+    return take, (first_eos < cols.shape[0]) | (seq_lens + take >= limit)

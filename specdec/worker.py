@@ -4,8 +4,9 @@ Conventions. A request's target has KV for positions ``[0, N)``; its root token 
 emitted token) is not yet in the target's cache. The EAGLE draft processes token t_{p+1} with the
 target hidden state h_p at draft position p, so its cache covers ``[0, N)`` too; a standalone
 draft processes t_p at position p and covers ``[0, N]``. ``draft_offset`` (0 or 1) is that shift.
-Inside a step nothing reads a device value on the host; the emitted tokens reach the host by one
-copy at the end.
+Inside a step nothing reads a device value on the host; the emitted tokens and accept lengths
+reach the host by non-blocking copies enqueued before draft-extend, and the host's bookkeeping
+overlaps that last pass.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample
 from specdec.tree import VerifyTree, start_tree, topk_probs
-from specdec.verify import AcceptResult, chain_accept, greedy_accept
+from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
 
 GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
@@ -60,26 +61,24 @@ class _BatchHost:
     """Host arrays of the running batch, aligned with ``EagleWorker.requests`` and rebuilt when
     the batch changes, so the per-step bookkeeping is a few numpy calls, not a loop per request.
 
-    seq_len: N; limit: the N at which max_new_tokens are out (len(prompt) + max_new_tokens - 1);
-    eos (-1: none), target_row, draft_row: all ``[B]`` int64. outputs: the requests' output
-    lists; device_rows: target and draft rows ``[B]`` int64 on the device.
+    seq_len (N), target_row, draft_row: ``[B]`` int64. outputs: the requests' output lists;
+    device_rows: target and draft rows ``[B]`` int64 on the device. room ``[B]`` int64: the
+    largest N at which both pools' pages hold a step (set by the worker).
     """
 
     seq_len: np.ndarray
-    limit: np.ndarray
-    eos: np.ndarray
     target_row: np.ndarray
     draft_row: np.ndarray
     outputs: list[list[int]]
     device_rows: tuple[torch.Tensor, torch.Tensor]
+    room: Optional[np.ndarray] = None
 
     @staticmethod
     def of(requests: list[Request], device: torch.device) -> "_BatchHost":
-        table = np.array([(r.seq_len, len(r.prompt) + r.max_new_tokens - 1, -1 if r.eos_token_id is None else r.eos_token_id,
-                           r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 5)
-        seq_len, limit, eos, target_row, draft_row = table.T.copy()
+        table = np.array([(r.seq_len, r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 3)
+        seq_len, target_row, draft_row = table.T.copy()
         rows = host_to_device([target_row.tolist(), draft_row.tolist()], device)
-        return _BatchHost(seq_len, limit, eos, target_row, draft_row, [r.output for r in requests], (rows[0], rows[1]))
+        return _BatchHost(seq_len, target_row, draft_row, [r.output for r in requests], (rows[0], rows[1]))
 
 
 @dataclass
@@ -89,7 +88,9 @@ class DecodeState:
     root ``[B]`` int64; seq_lens ``[B]`` int64 (N); hidden ``[B, D]`` the draft's last hidden state;
     cand_probs / cand_ids ``[B, topk]``: the first draft step's candidates;
     temperature / top_p ``[B]`` fp32, top_k / seed ``[B]`` int64: sampling parameters;
-    counter ``[B]`` int64: spec steps taken, the position in the request's random stream.
+    counter ``[B]`` int64: spec steps taken, the position in the request's random stream;
+    limit ``[B]`` int64: the N at which max_new_tokens run out (len(prompt) + max_new_tokens - 1);
+    eos ``[B]`` int64: the eos token id, -1 for none.
     """
 
     root: torch.Tensor
@@ -102,10 +103,13 @@ class DecodeState:
     top_k: torch.Tensor
     seed: torch.Tensor
     counter: torch.Tensor
+    limit: torch.Tensor
+    eos: torch.Tensor
 
     def advance(self, root: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor, cand: tuple[torch.Tensor, torch.Tensor]) -> "DecodeState":
-        """The next step's state: same sampling parameters, counter + 1."""
-        return DecodeState(root, seq_lens, hidden, *cand, self.temperature, self.top_p, self.top_k, self.seed, self.counter + 1)
+        """The next step's state: same sampling parameters and stops, counter + 1."""
+        return DecodeState(root, seq_lens, hidden, *cand, self.temperature, self.top_p, self.top_k, self.seed,
+                           self.counter + 1, self.limit, self.eos)
 
     def select(self, keep: torch.Tensor) -> "DecodeState":
         return DecodeState(*(t.index_select(0, keep) for t in vars(self).values()))
@@ -155,7 +159,9 @@ class EagleWorker:
         self.graph_runner = None  # set by graphs.runner.GraphRunner(worker)
         self._next_rid = 0
         self._batch: Optional[_BatchHost] = None  # host arrays of the running batch; None: rebuild
-        self._emitted = _HostCopy((bs, steps + 1), self.device)  # the step's one device-to-host copy
+        # the step's copies to the host: emitted tokens, accept lengths, tokens taken, done flags
+        self._emitted = _HostCopy([((bs, steps + 1), torch.long), ((bs,), torch.long), ((bs,), torch.long), ((bs,), torch.bool)],
+                                  self.device)
 
     # ------------------------------------------------------------ admission
     @torch.inference_mode()
@@ -191,7 +197,7 @@ class EagleWorker:
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         new_state = self._prefill(new)
         keep = []
-        for i, (req, token) in enumerate(zip(new, _HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist())):
+        for i, (req, token) in enumerate(zip(new, _HostCopy([(tuple(new_state.root.shape), torch.long)], self.device).fetch(new_state.root).tolist())):
             req.output.append(token)  # the prefill's token is the first output
             req.finished = max_new_tokens <= 1 or token == eos_token_id
             if req.finished:
@@ -256,7 +262,9 @@ class EagleWorker:
         dlast = dbatch.cu_seqlens_q[1:].long() - 1
         cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk, params[0])
         seq_lens = torch.tensor(lens, device=dev)
-        return DecodeState(root, seq_lens, dhidden[dlast], *cand, *params, torch.ones_like(params[3]))
+        stops = torch.tensor([[len(r.prompt) + r.max_new_tokens - 1 for r in new],
+                              [-1 if r.eos_token_id is None else r.eos_token_id for r in new]], device=dev)
+        return DecodeState(root, seq_lens, dhidden[dlast], *cand, *params, torch.ones_like(params[3]), *stops.unbind(0))
 
     def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
         """temperature, top_p (fp32), top_k, seed (int64), each ``[B]`` on the device."""
@@ -288,19 +296,12 @@ class EagleWorker:
         st, target_rows, draft_rows = self.step_inputs()
         out = None
         if self.graph_runner is not None:
-            out = self.graph_runner.run(st, target_rows, draft_rows)  # its last graph stages the copy
+            out = self.graph_runner.run(st, target_rows, draft_rows)
         if out is None:
             out = self.spec_pass(st, target_rows, draft_rows)
-            self.stage_emitted(out[0])
         result, self.state, self.last_tree = out
         self._emitted.start(result.emitted.shape[0])
         return result
-
-    def stage_emitted(self, result: AcceptResult) -> None:
-        """Enqueue the step's one device-to-host copy: ``result.emitted`` into the pinned host
-        buffer. The graph runner captures it at the end of the draft-extend graph, so a replayed
-        step launches no copy of its own."""
-        self._emitted.enqueue(result.emitted)
 
     def state_template(self, batch_size: int) -> DecodeState:
         """An (uninitialised) DecodeState of ``batch_size`` rows: the graph runner's static inputs."""
@@ -316,6 +317,8 @@ class EagleWorker:
             top_k=torch.empty(batch_size, dtype=torch.long, device=dev),
             seed=torch.empty(batch_size, dtype=torch.long, device=dev),
             counter=torch.empty(batch_size, dtype=torch.long, device=dev),
+            limit=torch.empty(batch_size, dtype=torch.long, device=dev),
+            eos=torch.empty(batch_size, dtype=torch.long, device=dev),
         )
 
     @staticmethod
@@ -325,7 +328,15 @@ class EagleWorker:
     def _batch_host(self) -> _BatchHost:
         if self._batch is None:
             self._batch = _BatchHost.of(self.requests, self.device)
+            self._batch.room = self._page_room(self._batch)
         return self._batch
+
+    def _page_room(self, h: _BatchHost) -> np.ndarray:
+        """``[B]`` the largest N at which each request's pages in both pools still hold a step's
+        verify tree and draft region."""
+        cfg = self.config
+        return np.minimum(self.target_pool.capacity[h.target_row] - cfg.num_draft_tokens,
+                          self.draft_pool.capacity[h.draft_row] - self.draft_offset - cfg.draft_region_len)
 
     def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
         """(state, target rows ``[B]``, draft rows ``[B]``) of the running batch; the rows are
@@ -354,19 +365,28 @@ class EagleWorker:
     def spec_pass(
         self, st: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor
     ) -> tuple[AcceptResult, DecodeState, VerifyTree]:
-        """draft -> tree -> verify -> accept -> KV commit -> draft-extend; device work only."""
+        """draft -> tree -> verify -> accept -> KV commit -> draft-extend; device work only.
+
+        The emitted tokens, accept lengths and stops (``stop_at_limits``: eos, max_new_tokens) are
+        copied to the host before draft-extend, so finish_step's host bookkeeping runs while the
+        device still works on draft-extend. A CUDA graph of this pass captures the copies and
+        their event record with the rest."""
         tree = self.draft_tree(st, draft_rows)
         logits, hidden = self.verify(st, tree, target_rows)
         result = self.accept(st, tree, logits)
         self.commit_kv(st, result, target_rows)
+        self._emitted.enqueue(result.emitted, result.accept_len, *stop_at_limits(result, st.seq_lens, st.limit, st.eos))
         return result, self.draft_extend(st, result, hidden, draft_rows), tree
 
     def _reserve_pages(self) -> None:
-        """Pages for the verify tree and the draft region past each request's prefix: one
-        vectorised comparison per pool, pool work only for the requests that cross a page. A
-        request that grows gets GROW_AHEAD_PAGES more pages while the pool has them, so the
-        pool's req_to_token write (host work and a copy) comes every few pages, not every page."""
+        """Pages for the verify tree and the draft region past each request's prefix. A step
+        that crosses no page costs one comparison against the batch's page room; pool work is
+        only for the requests that cross one. A request that grows gets GROW_AHEAD_PAGES more
+        pages while the pool has them, so the pool's req_to_token write (host work and a copy)
+        comes every few pages, not every page."""
         cfg, h = self.config, self._batch_host()
+        if not (h.seq_len > h.room).any():
+            return
         for pool, rows, extra in ((self.target_pool, h.target_row, cfg.num_draft_tokens),
                                   (self.draft_pool, h.draft_row, self.draft_offset + cfg.draft_region_len)):
             need = h.seq_len + extra
@@ -378,6 +398,7 @@ class EagleWorker:
                         grow, np.minimum(need + GROW_AHEAD_PAGES * pool.page_size, pool.max_context_len).tolist())
                 except OutOfPagesError:
                     pool.ensure_capacity_many(grow, need.tolist())
+        h.room = self._page_room(h)
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
@@ -485,17 +506,11 @@ class EagleWorker:
         return st.temperature if repeat == 1 else st.temperature.repeat_interleave(repeat)
 
     def finish_step(self, result: AcceptResult) -> StepStats:
-        """Wait for the step's one device-to-host copy (started by launch_step, of ``result``);
-        then host bookkeeping, vectorised over the batch, and finished requests leave."""
-        emitted = self._emitted.wait().numpy()  # [B, num_steps + 1]: accepted tokens, the bonus, then -1
+        """Wait for the step's copies to the host (enqueued by launch_step, of ``result`` and its
+        stops); then the host bookkeeping, and finished requests leave."""
+        emitted, accept_len, take, done = self._emitted.wait()  # see spec_pass and stop_at_limits
         h = self._batch_host()
-        num = (emitted >= 0).sum(1)
-        take = np.minimum(num, h.limit - h.seq_len)  # what still fits in max_new_tokens
-        at_eos = (emitted == h.eos[:, None]) & (np.arange(emitted.shape[1]) < take[:, None])
-        stop = at_eos.any(1)
-        take = np.where(stop, at_eos.argmax(1) + 1, take)  # up to and including the first eos
-        h.seq_len += take  # all `num` for each request that stays: only finishing ones are cut
-        done = stop | (h.seq_len >= h.limit)
+        h.seq_len += take  # all accept_len + 1 for each request that stays: only finishing ones are cut
         for out, row, k in zip(h.outputs, emitted.tolist(), take.tolist()):
             out += row[:k]
         if done.any():
@@ -506,45 +521,45 @@ class EagleWorker:
             self.requests = [self.requests[i] for i in keep]
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
             self._batch = None
-        return StepStats((num - 1).tolist(), int(take.sum()))
+        return StepStats(accept_len.tolist(), int(take.sum()))
 
 
 class _HostCopy:
-    """A reusable pinned int64 host buffer and event: a non-blocking copy of a device tensor's
-    leading rows, then the event's record (enqueue; a CUDA graph captures both, the event as an
+    """Reusable pinned host buffers and one event: non-blocking copies of device tensors' leading
+    rows, then the event's record (enqueue; a CUDA graph captures both, the event as an
     external record node, so a replayed step launches neither), then a wait on the event, not
     on the whole device (wait)."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+    def __init__(self, buffers: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
+        """buffers: (shape, dtype) of each buffer."""
         self.on_cuda = device.type == "cuda"
-        self.buffer = torch.empty(shape, dtype=torch.long, pin_memory=self.on_cuda)
+        self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=self.on_cuda) for shape, dtype in buffers]
+        self.arrays = [b.numpy() for b in self.buffers]  # made once: a tensor's .numpy() costs microseconds
         self.event = torch.cuda.Event(external=True) if self.on_cuda else None
-        self.host: Optional[torch.Tensor] = None
-        self._views: dict[int, torch.Tensor] = {}  # rows -> buffer[:rows]
+        self.rows: Optional[int] = None
 
-    def enqueue(self, t: torch.Tensor) -> None:
-        """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in
-        stream order, and record the event after it."""
-        self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
+    def enqueue(self, *tensors: torch.Tensor) -> None:
+        """Copy each tensor ``[b, *shape[1:]]`` (its buffer's dtype, b <= shape[0]) into its
+        buffer's first b rows, in stream order, and record the event after them."""
+        for buffer, t in zip(self.buffers, tensors):
+            buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
         if self.on_cuda:
             self.event.record()
 
     def start(self, rows: int) -> None:
         """A copy of ``rows`` rows is enqueued (eagerly or by a replayed graph): wait may come."""
-        self.host = self._views.get(rows)
-        if self.host is None:
-            self.host = self._views[rows] = self.buffer[:rows]
+        self.rows = rows
 
-    def wait(self) -> torch.Tensor:
-        """The started copy (a view of the buffer: valid until the next start)."""
-        if self.host is None:
+    def wait(self) -> list[np.ndarray]:
+        """The started copy: numpy views of the buffers' first rows, valid until the next start."""
+        if self.rows is None:
             raise RuntimeError("no copy in flight: finish_step needs the result of launch_step")
         if self.on_cuda:
             self.event.synchronize()
-        host, self.host = self.host, None
-        return host
+        rows, self.rows = self.rows, None
+        return [a[:rows] for a in self.arrays]
 
-    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+    def fetch(self, t: torch.Tensor) -> np.ndarray:
         self.enqueue(t)
         self.start(t.shape[0])
-        return self.wait()
+        return self.wait()[0]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specdec.tree import DraftChain, DraftTree, start_tree
-from specdec.verify import chain_accept, greedy_accept
+from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
 
 def example_tree(mask_out=None):
@@ -102,3 +102,30 @@ def test_draft_chain_checks_the_tree_size():
     chain = DraftChain(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="num_draft_tokens=3"):
         chain.build(torch.zeros(2, dtype=torch.long), 3, 2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stop_at_limits_matches_a_token_by_token_loop(seed):
+    """take / done against appending one emitted token at a time until the first eos or the
+    max_new_tokens limit; a vocabulary of 6 makes eos hits, also past the accepted tokens, common."""
+    g = torch.Generator().manual_seed(seed)
+    batch, width = 64, 4
+    accept_len = torch.randint(0, width, (batch,), generator=g)
+    emitted = torch.randint(0, 6, (batch, width), generator=g)
+    emitted[torch.arange(width) > accept_len[:, None]] = -1
+    seq_lens = torch.randint(10, 20, (batch,), generator=g)
+    limit = seq_lens + torch.randint(1, 6, (batch,), generator=g)
+    eos = torch.randint(-1, 6, (batch,), generator=g)
+    result = AcceptResult(accept_len, torch.zeros_like(emitted), emitted, emitted[:, 0])
+    take, done = stop_at_limits(result, seq_lens, limit, eos)
+    for b in range(batch):
+        n, taken, hit_eos = seq_lens[b].item(), 0, False
+        for token in emitted[b, : accept_len[b] + 1].tolist():
+            if n >= limit[b]:
+                break
+            taken, n = taken + 1, n + 1
+            if token == eos[b]:
+                hit_eos = True
+                break
+        assert take[b].item() == taken
+        assert done[b].item() == (hit_eos or n >= limit[b].item())
