@@ -9,8 +9,8 @@ first ``bs`` rows. A live batch is copied into the first rows of the next bucket
 point at the pool's padding row (all slots in the padding page) with N = 0, so they touch no
 real KV or output.
 
-The graph copies the emitted tokens and accept lengths into the worker's pinned host buffers
-and records the copy's event after verify, then runs draft-extend and writes the next state
+The graph copies the emitted tokens, accept lengths and stops into the worker's pinned host
+buffer and records the copy's event after verify, then runs draft-extend and writes the next state
 back into the static inputs (padded rows kept at N = 0); the worker's state is then a view of
 the static inputs, so while the batch runs unchanged a step is one replay. Metadata is built on
 the device inside the graph; backends that plan on the host (``needs_cpu_seq_lens``) are

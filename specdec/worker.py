@@ -159,9 +159,8 @@ class EagleWorker:
         self.graph_runner = None  # set by graphs.runner.GraphRunner(worker)
         self._next_rid = 0
         self._batch: Optional[_BatchHost] = None  # host arrays of the running batch; None: rebuild
-        # the step's copies to the host: emitted tokens, accept lengths, tokens taken, done flags
-        self._emitted = _HostCopy([((bs, steps + 1), torch.long), ((bs,), torch.long), ((bs,), torch.long), ((bs,), torch.bool)],
-                                  self.device)
+        # the step's one copy to the host: [bs, num_steps + 4] = emitted tokens, accept_len, take, done
+        self._emitted = _HostCopy((bs, steps + 4), self.device)
 
     # ------------------------------------------------------------ admission
     @torch.inference_mode()
@@ -197,7 +196,7 @@ class EagleWorker:
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         new_state = self._prefill(new)
         keep = []
-        for i, (req, token) in enumerate(zip(new, _HostCopy([(tuple(new_state.root.shape), torch.long)], self.device).fetch(new_state.root).tolist())):
+        for i, (req, token) in enumerate(zip(new, _HostCopy(tuple(new_state.root.shape), self.device).fetch(new_state.root).tolist())):
             req.output.append(token)  # the prefill's token is the first output
             req.finished = max_new_tokens <= 1 or token == eos_token_id
             if req.finished:
@@ -367,15 +366,16 @@ class EagleWorker:
     ) -> tuple[AcceptResult, DecodeState, VerifyTree]:
         """draft -> tree -> verify -> accept -> KV commit -> draft-extend; device work only.
 
-        The emitted tokens, accept lengths and stops (``stop_at_limits``: eos, max_new_tokens) are
-        copied to the host before draft-extend, so finish_step's host bookkeeping runs while the
-        device still works on draft-extend. A CUDA graph of this pass captures the copies and
-        their event record with the rest."""
+        The emitted tokens, accept lengths and stops (``stop_at_limits``: eos, max_new_tokens) go
+        to the host in one copy before draft-extend, so finish_step's host bookkeeping runs while the
+        device still works on draft-extend. A CUDA graph of this pass captures the copy and
+        its event record with the rest."""
         tree = self.draft_tree(st, draft_rows)
         logits, hidden = self.verify(st, tree, target_rows)
         result = self.accept(st, tree, logits)
         self.commit_kv(st, result, target_rows)
-        self._emitted.enqueue(result.emitted, result.accept_len, *stop_at_limits(result, st.seq_lens, st.limit, st.eos))
+        take, done = stop_at_limits(result, st.seq_lens, st.limit, st.eos)
+        self._emitted.enqueue(torch.cat([result.emitted, result.accept_len[:, None], take[:, None], done[:, None]], dim=1))
         return result, self.draft_extend(st, result, hidden, draft_rows), tree
 
     def _reserve_pages(self) -> None:
@@ -506,15 +506,16 @@ class EagleWorker:
         return st.temperature if repeat == 1 else st.temperature.repeat_interleave(repeat)
 
     def finish_step(self, result: AcceptResult) -> StepStats:
-        """Wait for the step's copies to the host (enqueued by launch_step, of ``result`` and its
+        """Wait for the step's copy to the host (enqueued by launch_step, of ``result`` and its
         stops); then the host bookkeeping, and finished requests leave."""
-        emitted, accept_len, take, done = self._emitted.wait()  # see spec_pass and stop_at_limits
+        packed = self._emitted.wait()  # [B, num_steps + 4]: result.emitted, accept_len, take, done
+        accept_len, take, done = packed[:, -3:].T
         h = self._batch_host()
         h.seq_len += take  # all accept_len + 1 for each request that stays: only finishing ones are cut
-        for out, row, k in zip(h.outputs, emitted.tolist(), take.tolist()):
-            out += row[:k]
+        for out, row, k in zip(h.outputs, packed.tolist(), take.tolist()):
+            out += row[:k]  # k <= num_steps + 1: emitted tokens only
         if done.any():
-            keep = np.flatnonzero(~done).tolist()
+            keep = np.flatnonzero(done == 0).tolist()
             for i in np.flatnonzero(done).tolist():
                 self.requests[i].finished = True
                 self._release(self.requests[i])
@@ -525,24 +526,22 @@ class EagleWorker:
 
 
 class _HostCopy:
-    """Reusable pinned host buffers and one event: non-blocking copies of device tensors' leading
-    rows, then the event's record (enqueue; a CUDA graph captures both, the event as an
+    """A reusable pinned int64 host buffer and event: a non-blocking copy of a device tensor's
+    leading rows, then the event's record (enqueue; a CUDA graph captures both, the event as an
     external record node, so a replayed step launches neither), then a wait on the event, not
     on the whole device (wait)."""
 
-    def __init__(self, buffers: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
-        """buffers: (shape, dtype) of each buffer."""
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
-        self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=self.on_cuda) for shape, dtype in buffers]
-        self.arrays = [b.numpy() for b in self.buffers]  # made once: a tensor's .numpy() costs microseconds
+        self.buffer = torch.empty(shape, dtype=torch.long, pin_memory=self.on_cuda)
+        self.array = self.buffer.numpy()  # made once: a tensor's .numpy() costs microseconds
         self.event = torch.cuda.Event(external=True) if self.on_cuda else None
         self.rows: Optional[int] = None
 
-    def enqueue(self, *tensors: torch.Tensor) -> None:
-        """Copy each tensor ``[b, *shape[1:]]`` (its buffer's dtype, b <= shape[0]) into its
-        buffer's first b rows, in stream order, and record the event after them."""
-        for buffer, t in zip(self.buffers, tensors):
-            buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
+    def enqueue(self, t: torch.Tensor) -> None:
+        """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in
+        stream order, and record the event after it."""
+        self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
         if self.on_cuda:
             self.event.record()
 
@@ -550,16 +549,17 @@ class _HostCopy:
         """A copy of ``rows`` rows is enqueued (eagerly or by a replayed graph): wait may come."""
         self.rows = rows
 
-    def wait(self) -> list[np.ndarray]:
-        """The started copy: numpy views of the buffers' first rows, valid until the next start."""
+    def wait(self) -> np.ndarray:
+        """The started copy: a numpy view of the buffer's first rows, valid until the next start."""
         if self.rows is None:
             raise RuntimeError("no copy in flight: finish_step needs the result of launch_step")
         if self.on_cuda:
             self.event.synchronize()
         rows, self.rows = self.rows, None
-        return [a[:rows] for a in self.arrays]
+        return self.array[:rows]
 
     def fetch(self, t: torch.Tensor) -> np.ndarray:
+        """enqueue, start and wait: a synchronous copy of t."""
         self.enqueue(t)
         self.start(t.shape[0])
-        return self.wait()[0]
+        return self.wait()
