@@ -4,9 +4,9 @@ Conventions. A request's target has KV for positions ``[0, N)``; its root token 
 emitted token) is not yet in the target's cache. The EAGLE draft processes token t_{p+1} with the
 target hidden state h_p at draft position p, so its cache covers ``[0, N)`` too; a standalone
 draft processes t_p at position p and covers ``[0, N]``. ``draft_offset`` (0 or 1) is that shift.
-Inside a step nothing reads a device value on the host; the emitted tokens and accept lengths
-reach the host by non-blocking copies enqueued before draft-extend, and the host's bookkeeping
-overlaps that last pass.
+Inside a step nothing reads a device value on the host; the emitted tokens, accept lengths and
+stops reach the host by one non-blocking copy enqueued before draft-extend, and the host's
+bookkeeping overlaps that last pass.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class EagleWorker:
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         new_state = self._prefill(new)
         keep = []
-        for i, (req, token) in enumerate(zip(new, _HostCopy(tuple(new_state.root.shape), self.device).fetch(new_state.root).tolist())):
+        for i, (req, token) in enumerate(zip(new, _HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist())):
             req.output.append(token)  # the prefill's token is the first output
             req.finished = max_new_tokens <= 1 or token == eos_token_id
             if req.finished:
