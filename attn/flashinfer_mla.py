@@ -1,13 +1,14 @@
-"""FlashInfer's BatchMLAPagedAttentionWrapper (FA3 on SM90, FA2 elsewhere).
+"""FlashInfer's BatchMLAPagedAttentionWrapper (FA3 on SM90, FA2 elsewhere), scheduled on the device.
 
-Its plan() schedules on the host from the kv lengths, so this backend has
-``needs_cpu_seq_lens = True``. Eager passes plan in init_forward_metadata from the device
-metadata, which FlashInfer copies to the host (a sync per pass). Under CUDA graphs each batch
-size gets a graph-mode wrapper whose CSR metadata lives at fixed addresses: the graph packs the
-block table into the CSR page list on the device (kv_indices), and
-``init_forward_metadata_replay_cuda_graph`` plans from host kv lengths (indptrs derived on the
-host, staged in pinned memory) before each replay, so a graphed step does not sync. run() is the
-kernel call, on the packed 576-wide query and cache. No custom masks: topk must be 1.
+FlashInfer plans its persistent MLA kernel on the host from host kv lengths. Here the uniform
+passes (decode, draft steps, verify, draft-extend) get their schedule from ``attn.fa3_plan``,
+built on the device from the device metadata: the block table is packed into the CSR page list
+(``kv_indices``) and the schedule is written into the wrapper's int workspace, so those passes
+need no host sync and capture in CUDA graphs with nothing to do on the host before a replay
+(``needs_cpu_seq_lens = False``). Each wrapper is planned once on the host, for one request,
+to compile the kernel and fix the workspace layout, which does not depend on the batch. Ragged
+prefill keeps FlashInfer's host plan (a sync, outside the spec step). run() is the kernel call,
+on the packed 576-wide query and cache. No custom masks: topk must be 1.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, AttnBatch, const_arange
+from attn.fa3_plan import Fa3Geometry, build_schedule, schedule_index, write_schedule
 from attn.paged import PagedMLABackend
 
 
 class FlashInferMLABackend(PagedMLABackend):
     name = "flashinfer_mla"
     kernel_family = "flashinfer"
-    needs_cpu_seq_lens = True
-    supports_cuda_graph = True
     required_sm = (8, 9, 10, 12)
     kv_dtypes = ("auto", "bf16", "fp16")
     workspace_bytes = 128 * 1024 * 1024
@@ -33,14 +33,17 @@ class FlashInferMLABackend(PagedMLABackend):
         super().__init__(*args, **kwargs)
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-        self._backend = "fa3" if torch.cuda.get_device_capability(self.kv.device)[0] == 9 else "fa2"
+        device = self.kv.device
+        self._backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+        self._num_sm = torch.cuda.get_device_properties(device).multi_processor_count
         # One float workspace (split-KV partials) for this backend's wrappers: they run one at a time.
-        self._float_workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.kv.device)
-        self.wrapper = BatchMLAPagedAttentionWrapper(self._float_workspace, backend=self._backend)
-        self.wrapper_in_use = self.wrapper  # or the batch size's graph-mode wrapper (init_forward_metadata)
-        self._graph_wrappers: dict[int, object] = {}  # batch size -> graph-mode wrapper, planned on the host
-        self._kv_indices: Optional[torch.Tensor] = None  # graph mode: [max_bs * max_pages + 1] int32, last entry trash
-        self._host_csr: Optional[torch.Tensor] = None
+        self._float_workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        self.wrapper = BatchMLAPagedAttentionWrapper(self._float_workspace, backend=self._backend)  # host-planned prefill
+        self.wrapper_in_use = self.wrapper  # or a device-scheduled wrapper (init_forward_metadata)
+        self._scheduled: dict[int, object] = {}  # cluster size -> wrapper planned once, scheduled on the device
+        self._indices: dict[Fa3Geometry, torch.Tensor] = {}  # where each geometry's schedule goes
+        # The CSR page list of a uniform pass: [max_bs * max_pages + 1] int32, the last entry trash.
+        self._kv_indices = torch.zeros(self.max_batch_size * self.max_pages + 1, dtype=torch.int32, device=device)
 
     def _allocate_workspace(self) -> Optional[torch.Tensor]:
         return None
@@ -57,18 +60,48 @@ class FlashInferMLABackend(PagedMLABackend):
         from flashinfer.mla import MLAPlanMetadata
 
         super().init_forward_metadata(batch, shared_block_tables)
-        graph_wrapper = self._graph_wrappers.get(batch.batch_size) if self._graph_buffers is not None else None
-        if graph_wrapper is not None:
-            self._pack_kv_indices()
-            self.wrapper_in_use = graph_wrapper
-            return
         md = self.metadata
-        self._plan(self.wrapper, MLAPlanMetadata.dense(md.cu_seqlens_q, md.block_tables, md.seq_lens, batch.max_q_len))
-        self.wrapper_in_use = self.wrapper
+        if not batch.uniform_q_len:
+            self._plan(self.wrapper, MLAPlanMetadata.dense(md.cu_seqlens_q, md.block_tables, md.seq_lens, batch.max_q_len))
+            self.wrapper_in_use = self.wrapper
+            return
+        if batch.batch_size > self.max_batch_size:
+            raise ValueError(f"{self.name}: batch of {batch.batch_size} exceeds max_batch_size {self.max_batch_size}")
+        geometry = Fa3Geometry(batch.batch_size, batch.max_q_len, self.layer.num_heads, self._num_sm)
+        wrapper = self._scheduled_wrapper(geometry)
+        index = self._indices.get(geometry)
+        if index is None:
+            index = self._indices[geometry] = schedule_index(geometry, list(wrapper._plan_info), self.kv.device)
+        page_starts = self._pack_kv_indices()
+        write_schedule(wrapper._int_workspace_buffer, index, build_schedule(geometry, md.seq_lens, page_starts))
+        self.wrapper_in_use = wrapper
 
-    def _pack_kv_indices(self) -> None:
+    def _scheduled_wrapper(self, g: Fa3Geometry):
+        """The wrapper of g's cluster size, planned once on the host for one request of g's
+        q_len: that compiles the kernel and publishes the workspace layout the device schedule
+        fills (FlashInfer's offsets are capacities, the same for every batch)."""
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+        wrapper = self._scheduled.get(g.cluster_size)
+        if wrapper is not None:
+            return wrapper
+        device, q_len = self.kv.device, g.q_len
+        wrapper = BatchMLAPagedAttentionWrapper(
+            self._float_workspace, use_cuda_graph=True, backend=self._backend, kv_indices=self._kv_indices,
+            qo_indptr=torch.zeros(2, dtype=torch.int32, device=device), kv_indptr=torch.zeros(2, dtype=torch.int32, device=device),
+            kv_len_arr=torch.zeros(1, dtype=torch.int32, device=device),
+        )
+        one = MLAPlanMetadata.csr(qo_indptr=torch.tensor([0, q_len], dtype=torch.int32), kv_indptr=torch.tensor([0, 1], dtype=torch.int32),
+                                  kv_indices=self._kv_indices[:1], kv_len_arr=torch.tensor([q_len], dtype=torch.int32))
+        with torch.inference_mode():  # the wrapper's buffers are inference tensors wherever planning is first called from
+            self._plan(wrapper, one)
+        self._scheduled[g.cluster_size] = wrapper
+        return wrapper
+
+    def _pack_kv_indices(self) -> torch.Tensor:
         """The block table's live pages, packed request after request into ``_kv_indices`` (the
-        CSR page list the host plan's kv_indptr describes); dead columns go to the trash entry."""
+        CSR page list); dead columns go to the trash entry. Returns each request's first entry
+        ``[B]`` int32."""
         md, ps = self.metadata, self.page_size
         live = (md.seq_lens + ps - 1) // ps  # [bs] int32 pages in use
         start = torch.cumsum(live, 0, dtype=torch.int32) - live
@@ -76,36 +109,7 @@ class FlashInferMLABackend(PagedMLABackend):
         trash = self._kv_indices.shape[0] - 1
         dest = torch.where(cols < live[:, None], start[:, None] + cols, trash)
         self._kv_indices.scatter_(0, dest.flatten().long(), md.block_tables.flatten())
-
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        super().init_cuda_graph_state(max_bs, max_num_tokens)
-        self._kv_indices = torch.zeros(max_bs * self.max_pages + 1, dtype=torch.int32, device=self.kv.device)
-        self._host_csr = torch.zeros(3, max_bs + 1, dtype=torch.int32, pin_memory=True)  # qo_indptr, kv_indptr, kv lens
-
-    @torch.inference_mode()  # the wrappers' buffers are inference tensors wherever planning is first called from
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, seq_lens: torch.Tensor, q_len: int) -> None:
-        """Plan the graph-mode wrapper of batch size ``bs`` from host kv lengths (``[bs]`` int32,
-        new tokens included) and ``q_len`` query tokens per request; no device-to-host copy.
-        The pinned staging rows are reused: one plan per backend between two host syncs."""
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
-
-        if self._graph_buffers is None:
-            raise RuntimeError(f"{self.name}: init_cuda_graph_state must come before graph planning")
-        device = self.kv.device
-        if bs not in self._graph_wrappers:
-            self._graph_wrappers[bs] = BatchMLAPagedAttentionWrapper(
-                self._float_workspace, use_cuda_graph=True, backend=self._backend,
-                qo_indptr=torch.zeros(bs + 1, dtype=torch.int32, device=device),
-                kv_indptr=torch.zeros(bs + 1, dtype=torch.int32, device=device),
-                kv_indices=self._kv_indices, kv_len_arr=torch.zeros(bs, dtype=torch.int32, device=device),
-            )
-        qo_indptr, kv_indptr, kv_lens = self._host_csr[0, : bs + 1], self._host_csr[1, : bs + 1], self._host_csr[2, :bs]
-        torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, out=qo_indptr)
-        kv_lens.copy_(seq_lens)
-        torch.cumsum((kv_lens + self.page_size - 1) // self.page_size, 0, dtype=torch.int32, out=kv_indptr[1:])
-        metadata = MLAPlanMetadata.csr(qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                                       kv_indices=self._kv_indices[: int(kv_indptr[-1])], kv_len_arr=kv_lens)
-        self._plan(self._graph_wrappers[bs], metadata)
+        return start
 
     def _run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """query ``[T, H, 576]``; kv_cache ``[P, ps, 576]`` -> ``[T, H, 512]``."""

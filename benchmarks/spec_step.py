@@ -146,8 +146,9 @@ def main() -> None:
 
 @torch.inference_mode()
 def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
-    """Capture every default bucket up to max_bs (one graph each); prints time and pool memory."""
-    from graphs.runner import GraphRunner
+    """Capture every default bucket up to max_bs (three kinds of graph each, joined per step);
+    prints time and pool memory."""
+    from graphs.runner import GRAPH_KINDS, GraphRunner
 
     cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
                      max_batch_size=max_bs, max_context_len=64 * ((prompt_len + 256) // 64))
@@ -156,7 +157,7 @@ def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     runner = GraphRunner(worker, progress=False)
-    print(f"# {backend}: captured {len(runner.buckets)} graphs for buckets {runner.buckets} in "
+    print(f"# {backend}: captured {len(GRAPH_KINDS) * len(runner.buckets)} graphs for buckets {runner.buckets} in "
           f"{runner.capture_seconds:.2f} s, {(torch.cuda.memory_allocated() - before) / 2**20:.0f} MiB", flush=True)
 
 

@@ -1,21 +1,23 @@
-"""CUDA graphs of the spec step: the multi-step draft (all steps + top-k), target verify (+ accept,
-KV commit, the emitted tokens' copy to the host) and draft-extend.
+"""CUDA graphs of the spec step, three kinds per batch-size bucket: the multi-step draft (all
+steps + top-k, ending in the verify tree), target verify (+ accept, KV commit, and the copy of
+the emitted tokens and stops to the host) and draft-extend (+ the next state written back).
 
-Nothing on the host runs between those three passes, so each batch-size bucket captures them
-back to back as one graph: a replayed step is one graph launch, where a graph per pass costs
-three (measured on the H100 host: 11 against 20 us). One set of static input buffers at the
-largest bucket; every bucket's graph (captured largest first, all in one memory pool) reads the
-first ``bs`` rows. A live batch is copied into the first rows of the next bucket up; padded rows
-point at the pool's padding row (all slots in the padding page) with N = 0, so they touch no
-real KV or output.
+Each kind is a graph of its own, replayable alone (``replay(bucket, kind)``). Nothing on the
+host runs between them in a step, so a step launches the three as child nodes of one
+executable graph (graphs.joined): one launch instead of three (measured on the H100 host: 11
+against 20 us). One set of static input buffers at the largest bucket; every bucket's graphs
+(captured largest first, all in one memory pool) read the first ``bs`` rows. A live batch is
+copied into the first rows of the next bucket up; padded rows point at the pool's padding row
+(all slots in the padding page) with N = 0, so they touch no real KV or output.
 
-The graph copies the emitted tokens, accept lengths and stops into the worker's pinned host
-buffer and records the copy's event after verify, then runs draft-extend and writes the next state
-back into the static inputs (padded rows kept at N = 0); the worker's state is then a view of
-the static inputs, so while the batch runs unchanged a step is one replay. Metadata is built on
-the device inside the graph; backends that plan on the host (``needs_cpu_seq_lens``) are
-planned from the requests' host lengths before each replay. Backends that cannot be captured
-(``supports_cuda_graph = False``) are refused.
+The verify graph copies the emitted tokens, accept lengths and stops into the worker's pinned
+host buffer and records the copy's event; the draft-extend graph writes the next state back
+into the static inputs (padded rows kept at N = 0), so the worker's state is a view of the
+static inputs and, while the batch runs unchanged, a step is one launch. Metadata is built on
+the device inside the graphs; backends that plan on the host (``needs_cpu_seq_lens``) are
+planned from the requests' host lengths before each launch. Backends that cannot be captured
+(``supports_cuda_graph = False``) are refused. The step draws its randomness from counter-based
+hashes (specdec.sampling), not a torch generator, whose offsets a joined launch would not advance.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from graphs.joined import JoinedGraph
 from specdec.kv import PADDING_ROW
 from specdec.tree import VerifyTree
 from specdec.verify import AcceptResult
@@ -69,15 +72,22 @@ class StaticInputs:
         return {name: t[:bs] for name, t in self.tensors.items()}
 
 
+GRAPH_KINDS = ("draft", "verify", "draft_extend")
+
+
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
-    result: AcceptResult
-    tree: VerifyTree
+    """A bucket's graphs (GRAPH_KINDS order), their joined step, and the stages' outputs
+    (``draft``: tree; ``verify``: result, hidden), which live in graph memory."""
+
+    graphs: dict[str, torch.cuda.CUDAGraph]
+    step: JoinedGraph
+    outputs: dict[str, object]
 
 
 class GraphRunner:
-    """Captures and replays ``EagleWorker.spec_pass`` for batch-size buckets."""
+    """Captures ``EagleWorker.spec_pass`` as GRAPH_KINDS graphs per batch-size bucket and
+    replays a step as one launch of all three."""
 
     def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True) -> None:
         # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the
@@ -108,19 +118,26 @@ class GraphRunner:
         self.capture_seconds = self._capture_all(progress)
         worker.graph_runner = self
 
-    def _step_body(self, inputs: dict[str, torch.Tensor]):
-        """The graph body over static inputs: the spec pass, then the next state written back."""
-        w = self.worker
+    def _stages(self, inputs: dict[str, torch.Tensor]):
+        """The graph bodies over static inputs, one per GRAPH_KINDS entry, and the dict their
+        outputs go to: the spec pass in three parts, then the next state written back."""
+        w, out = self.worker, {}
         st = w.state_from(inputs)
+        target_rows, draft_rows = inputs["target_rows"], inputs["draft_rows"]
 
-        def body() -> tuple[AcceptResult, VerifyTree]:
-            result, new, tree = w.spec_pass(st, inputs["target_rows"], inputs["draft_rows"])
-            new.seq_lens = torch.where(inputs["target_rows"] == PADDING_ROW, 0, new.seq_lens)  # padding stays in bounds
+        def draft() -> None:
+            out["tree"] = w.draft_tree(st, draft_rows)
+
+        def verify() -> None:
+            out["result"], out["hidden"] = w.verify_and_accept(st, out["tree"], target_rows)
+
+        def draft_extend() -> None:
+            new = w.draft_extend(st, out["result"], out["hidden"], draft_rows)
+            new.seq_lens = torch.where(target_rows == PADDING_ROW, 0, new.seq_lens)  # padding stays in bounds
             pairs = [(old, t) for old, t in zip(vars(st).values(), vars(new).values()) if t is not old]
             torch._foreach_copy_(*map(list, zip(*pairs)))
-            return result, tree
 
-        return body
+        return dict(zip(GRAPH_KINDS, (draft, verify, draft_extend))), out
 
     @torch.inference_mode()
     def _capture_all(self, progress: bool) -> float:
@@ -130,18 +147,22 @@ class GraphRunner:
             if progress:
                 print(f"\rcapturing CUDA graphs: batch size {bs:4d} ({i + 1}/{len(self.buckets)})", end="", file=sys.stderr)
             inputs = self.static.view(bs)
-            body = self._step_body(inputs)
+            stages, outputs = self._stages(inputs)
             if self.host_planned:
                 self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: lazy inits, autotuning, JIT
-                body()
+                for body in stages.values():
+                    body()
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                result, tree = body()
-            self.captured[bs] = _Captured(graph, result, tree)
+            graphs = {}
+            for kind, body in stages.items():  # the stages' outputs stay referenced: later graphs read them
+                graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)
+                with torch.cuda.graph(graphs[kind], pool=self.pool):
+                    body()
+                graphs[kind].instantiate()
+            self.captured[bs] = _Captured(graphs, JoinedGraph(list(graphs.values())), outputs)
         torch.cuda.synchronize()
         if progress:
             print(file=sys.stderr)
@@ -168,14 +189,19 @@ class GraphRunner:
         self._resident = (views[1], target_rows, draft_rows)
         return views
 
-    def replay(self, bucket: int) -> None:
-        """The bucket's graph, on the static inputs as they are."""
-        self.captured[bucket].graph.replay()
+    def replay(self, bucket: int, kind: Optional[str] = None) -> None:
+        """The bucket's step (all kinds, one launch) or one kind of graph alone, on the static
+        inputs as they are; kinds replayed alone must come in GRAPH_KINDS order."""
+        cap = self.captured[bucket]
+        if kind is None:
+            cap.step.launch()
+        else:
+            cap.graphs[kind].replay()
 
     def _make_views(self, b: int, bucket: int) -> tuple:
-        cap, rows = self.captured[bucket], slice(0, b)
-        views = (AcceptResult(*(t[rows] for t in vars(cap.result).values())),
+        out, rows = self.captured[bucket].outputs, slice(0, b)
+        views = (AcceptResult(*(t[rows] for t in vars(out["result"]).values())),
                  self.worker.state_from(self.static.view(b)),
-                 VerifyTree(*(t[rows] for t in vars(cap.tree).values())))
+                 VerifyTree(*(t[rows] for t in vars(out["tree"]).values())))
         self._views[b] = views
         return views

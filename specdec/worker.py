@@ -371,12 +371,18 @@ class EagleWorker:
         device still works on draft-extend. A CUDA graph of this pass captures the copy and
         its event record with the rest."""
         tree = self.draft_tree(st, draft_rows)
+        result, hidden = self.verify_and_accept(st, tree, target_rows)
+        return result, self.draft_extend(st, result, hidden, draft_rows), tree
+
+    def verify_and_accept(self, st: DecodeState, tree: VerifyTree, target_rows: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+        """verify -> accept -> KV commit -> stops, and the host copy of their outputs enqueued.
+        Returns the accept result and the target's hidden states ``[B, ndt, D]``."""
         logits, hidden = self.verify(st, tree, target_rows)
         result = self.accept(st, tree, logits)
         self.commit_kv(st, result, target_rows)
         take, done = stop_at_limits(result, st.seq_lens, st.limit, st.eos)
         self._emitted.enqueue(torch.cat([result.emitted, result.accept_len[:, None], take[:, None], done[:, None]], dim=1))
-        return result, self.draft_extend(st, result, hidden, draft_rows), tree
+        return result, hidden
 
     def _reserve_pages(self) -> None:
         """Pages for the verify tree and the draft region past each request's prefix. A step

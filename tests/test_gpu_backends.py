@@ -18,7 +18,8 @@ ATOL = 2e-2  # bf16 cache and queries, fp32 accumulation
 
 
 def filled_pool(page_size=64, lens=(37, 300, 1000)):
-    pool = MLAKVPool(1, 64, page_size, 4, 1024 + page_size, torch.bfloat16, "cuda")
+    context = page_size * (max(lens) // page_size + 2)
+    pool = MLAKVPool(1, sum(n // page_size + 1 for n in lens) + 2, page_size, len(lens), context, torch.bfloat16, "cuda")
     rows = [pool.alloc_request() for _ in lens]
     for row, n in zip(rows, lens):
         pool.ensure_capacity(row, n)
@@ -63,6 +64,27 @@ def _extend(pool, rows, lens):
 ])
 def test_matches_torch_ref(backend, mode, batch_fn):
     compare(backend, batch_fn)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("lens", [(37, 300, 1000), (16000, 5), tuple(range(70, 64 * 330, 330))])
+def test_flashinfer_device_schedule_equals_its_host_plan(heads, q_len, lens):
+    """The schedule built on the device (attn.fa3_plan) gives FlashInfer's kernel the same
+    result, bitwise, as FlashInfer's own host plan: short, split (16k) and 64-request batches."""
+    from flashinfer.mla import MLAPlanMetadata
+
+    pool, rows, lens = filled_pool(lens=lens)
+    backend = get_backend_class("flashinfer_mla")(pool.view(), LayerSpec(num_heads=heads, sm_scale=192**-0.5), len(lens), q_len)
+    batch = _uniform(ForwardMode.TARGET_VERIFY, q_len)(pool, rows, lens)
+    q = torch.randn(batch.num_tokens, heads, 576, device="cuda", dtype=torch.bfloat16)
+    cache = pool.kv_buffers[0]
+    backend.init_forward_metadata(batch)
+    device_planned = backend._run(q, cache)
+    md = backend.metadata
+    backend._plan(backend.wrapper, MLAPlanMetadata.dense(md.cu_seqlens_q, md.block_tables, md.seq_lens, q_len))
+    host_planned = backend.wrapper.run(query=q, kv_cache=cache)
+    assert torch.equal(device_planned, host_planned)
 
 
 @pytest.mark.parametrize("backend,topk,ndt", [("flashinfer_mla", 1, None), ("triton_mla", 1, None), ("triton_mla", 2, 6), ("triton_mla", 3, 8)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphs.runner import GraphRunner, StaticInputs, default_buckets, pick_bucket
+from graphs.runner import GRAPH_KINDS, GraphRunner, StaticInputs, default_buckets, pick_bucket
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.kv import PADDING_ROW
@@ -86,7 +86,11 @@ def _pad(live: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
 @pytest.mark.parametrize("batch", [3, 4])  # padded and exact bucket
-def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
+@pytest.mark.parametrize("joined", [True, False])
+def test_replay_equals_eager_bitwise(backend, topk, ndt, batch, joined):
+    """Each kind of graph replayed alone, and the three joined into one launch, give the
+    eager pass's outputs bitwise: the draft tree (draft), the accept result (verify) and the
+    next state (draft-extend)."""
     _skip_trees_without_masks(backend, topk)
     target, worker = gpu_worker(backend, topk=topk, ndt=ndt)
     runner = GraphRunner(worker, [1, 2, 4], progress=False)
@@ -99,12 +103,23 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
     padded = _pad(live, 4)
     if runner.host_planned:
         worker.plan_passes_on_host(worker.host_seq_lens(4))
-    eager = worker.spec_pass(worker.state_from(padded), padded["target_rows"], padded["draft_rows"])
-    eager = [t[:batch].clone() for part in eager for t in vars(part).values()]
-    graph = [t for part in runner.run(st, trows, drows) for t in vars(part).values()]
-    assert len(graph) == len(eager)
-    for e, g in zip(eager, graph):  # every stage's outputs: accept result, next state, draft tree
-        assert torch.equal(e, g)
+    result, state, tree = worker.spec_pass(worker.state_from(padded), padded["target_rows"], padded["draft_rows"])
+    expected = {kind: [t[:batch].clone() for t in vars(part).values()]
+                for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
+    if joined:
+        result, state, tree = runner.run(st, trows, drows)
+        got = {kind: list(vars(part).values()) for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
+    else:
+        runner.static.fill(live, 4)
+        outputs, got = runner.captured[4].outputs, {}
+        for kind in GRAPH_KINDS:
+            runner.replay(4, kind)
+            part = {"draft": outputs["tree"], "verify": outputs["result"], "draft_extend": worker.state_from(runner.static.view(4))}[kind]
+            got[kind] = [t[:batch].clone() for t in vars(part).values()]
+    for kind in GRAPH_KINDS:
+        assert len(got[kind]) == len(expected[kind])
+        for e, g in zip(expected[kind], got[kind]):
+            assert torch.equal(e, g), kind
 
 
 @pytest.mark.gpu
@@ -126,10 +141,11 @@ def _skip_trees_without_masks(backend, topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,graphs,topk", [("triton_mla", False, 2), ("triton_mla", True, 2), ("flashinfer_mla", True, 1)])
+@pytest.mark.parametrize("backend,graphs,topk", [("triton_mla", False, 2), ("triton_mla", True, 2),
+                                                    ("flashinfer_mla", False, 1), ("flashinfer_mla", True, 1)])
 def test_whole_step_has_no_host_sync(backend, graphs, topk):
-    """Steps with a join and page growth in between: launch_step (pages, inputs, host plans,
-    draft, tree, verify, accept, KV commit, draft-extend) never syncs."""
+    """Steps with a join and page growth in between: launch_step (pages, inputs, draft, tree,
+    verify, accept, KV commit, draft-extend) never syncs, eager or graphed."""
     _, worker = gpu_worker(backend, topk=topk, ndt=6 if topk > 1 else None)
     if graphs:
         GraphRunner(worker, [1, 2, 4], progress=False)

@@ -1,0 +1,156 @@
+"""The device-built FlashInfer MLA schedule (attn.fa3_plan), checked on the CPU by running it.
+
+``run_schedule`` plays the kernel's contract in plain torch (mla_hopper.cuh: each cluster's
+work items, a query tile over a kv range under the causal bound, partial outputs for split
+tiles, then the merge CTAs) and the result must equal a dense causal attention. Any wrong
+work item, kv range, partial row or merge entry shows up as a wrong or missing output row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn.fa3_plan import (
+    MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, build_schedule, schedule_index, write_schedule,
+)
+
+D = 8  # head dim of the toy attention: the schedule does not depend on it
+
+
+def run_schedule(g: Fa3Geometry, sched, q, pages, kv_indices, page_size, kv_lens):
+    """Output ``[B * q_len, H, D]`` of the schedule, and how many times each row was written.
+
+    q: ``[B * q_len, H, D]``; pages: ``[num_pages, page_size, D]`` (keys = values);
+    kv_indices: the CSR page list the work items' kv_indptr point into.
+    """
+    H = g.num_heads
+    out = torch.full_like(q, float("nan"))
+    writes = torch.zeros(q.shape[:2], dtype=torch.long)
+    partial_o, partial_lse = {}, {}
+    works = dict(zip(WORK_FIELDS, sched.works.tolist()))
+    indptr = sched.work_indptr.tolist()
+    assert indptr[0] == 0 and all(a <= b for a, b in zip(indptr, indptr[1:]))
+    for w in range(indptr[-1]):
+        qi, ki, part, ql, kl, qs, ks, ke = (works[f][w] for f in WORK_FIELDS)
+        for row in range(qs, min(qs + g.tile_q, ql * H)):
+            tok, head = divmod(row, H)
+            hi = min(ke, kl - ql + tok + 1)  # causal bound of this query token
+            pos = torch.arange(ks, max(hi, ks))
+            keys = pages.reshape(-1, D)[kv_indices[ki + pos // page_size].long() * page_size + pos % page_size]
+            s = keys @ q[qi + tok, head]
+            lse = torch.logsumexp(s, 0) if len(pos) else torch.tensor(float("-inf"))
+            o = torch.softmax(s, 0) @ keys if len(pos) else torch.zeros(D)
+            if part == -1:
+                out[qi + tok, head] = o
+                writes[qi + tok, head] += 1
+            else:
+                key = part + row - qs
+                assert key not in partial_o, f"partial row {key} written twice"
+                partial_o[key], partial_lse[key] = o, lse
+    merge = dict(zip(MERGE_FIELDS, sched.merge.tolist()))
+    for cta in range(g.num_sm):
+        start, end, p0, p1, stride = (merge[f][cta] for f in MERGE_FIELDS)
+        for local in range(end - start):
+            tok, head = divmod(start + local, H)
+            rows = range(p0 + local, p1, stride)
+            lse = torch.stack([partial_lse[r] for r in rows])
+            weights = torch.softmax(lse, 0)
+            out[tok, head] = sum(wt * partial_o[r] for wt, r in zip(weights, rows))
+            writes[tok, head] += 1
+    return out, writes
+
+
+def dense_causal(q, pages, block_tables, page_size, kv_lens, q_len):
+    out = torch.empty_like(q)
+    for b, kl in enumerate(kv_lens.tolist()):
+        keys = pages[block_tables[b]].reshape(-1, D)[:kl]
+        for t in range(q_len):
+            s = q[b * q_len + t] @ keys[: kl - q_len + t + 1].T  # [H, n]
+            out[b * q_len + t] = torch.softmax(s, -1) @ keys[: kl - q_len + t + 1]
+    return out
+
+
+CASES = [
+    # batch, q_len, heads, sms, kv lengths: splits, one cluster of two CTAs, empty and one-token requests
+    (1, 1, 16, 8, [1]),
+    (3, 1, 16, 8, [40, 700, 3]),
+    (4, 4, 16, 8, [4, 300, 129, 64]),
+    (2, 4, 32, 6, [500, 60]),
+    (5, 2, 128, 10, [2, 2, 900, 31, 257]),
+    (3, 8, 16, 4, [8, 1000, 77]),
+    (2, 1, 64, 132, [5000, 12]),
+]
+
+
+@pytest.mark.parametrize("bs,q_len,heads,sms,kv", CASES)
+def test_schedule_computes_causal_attention(bs, q_len, heads, sms, kv):
+    gen = torch.Generator().manual_seed(bs * 100 + q_len)
+    page_size = 16
+    g = Fa3Geometry(bs, q_len, heads, sms)
+    kv_lens = torch.tensor(kv, dtype=torch.int32)
+    live = (kv_lens + page_size - 1) // page_size
+    num_pages = int(live.sum()) + 3
+    block_tables = torch.randperm(num_pages, generator=gen)[: int(live.sum())].split(live.tolist())
+    kv_indices = torch.cat(block_tables)
+    page_starts = torch.cumsum(live, 0) - live
+    pages = torch.randn(num_pages, page_size, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(bs * q_len, heads, D, generator=gen, dtype=torch.float64)
+
+    sched = build_schedule(g, kv_lens, page_starts.int())
+    out, writes = run_schedule(g, sched, q, pages, kv_indices, page_size, kv_lens)
+    assert (writes == 1).all(), "every output row written exactly once"
+    ref = dense_causal(q, pages, [t.tolist() for t in block_tables], page_size, kv_lens, q_len)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    assert int(sched.work_indptr[-1]) <= g.max_works
+
+
+@pytest.mark.parametrize("bs,q_len,heads,kv", [(2, 1, 16, [16000, 300]), (64, 4, 128, [50000] + list(range(100, 6400, 100)))])
+def test_schedule_splits_long_kv_and_balances_clusters(bs, q_len, heads, kv):
+    """Long requests are split into kv chunks spread over the clusters; no cluster's cost
+    (MLAPlan's 2 * tile + kv length per item) is more than one item above the mean."""
+    g = Fa3Geometry(bs, q_len, heads, 132)
+    kv_lens = torch.tensor(kv, dtype=torch.int32)
+    sched = build_schedule(g, kv_lens, torch.cumsum(kv_lens, 0).int() - kv_lens)
+    works = dict(zip(WORK_FIELDS, sched.works.long()))
+    n = int(sched.work_indptr[-1])
+    cost = 2 * g.tile_q + works["kv_end"][:n] - works["kv_start"][:n]
+    bounds = sched.work_indptr.tolist()
+    per_cluster = torch.stack([cost[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+    assert (works["partial_indptr"][:n] >= 0).sum() >= 8  # the longest request is split
+    assert per_cluster.max() - per_cluster.float().mean() <= cost.max()
+    assert (per_cluster > 0).sum() >= min(n, g.num_clusters) // 2  # the work is spread, not piled up
+
+
+def test_schedule_is_static_and_written_where_plan_info_says():
+    """Shapes depend only on the geometry (graph safe), and write_schedule puts every array at
+    its plan_info byte offset in the int workspace."""
+    g = Fa3Geometry(3, 2, 16, 12)
+    a = build_schedule(g, torch.tensor([5, 80, 9], dtype=torch.int32), torch.tensor([0, 1, 6], dtype=torch.int32))
+    b = build_schedule(g, torch.tensor([900, 2, 40], dtype=torch.int32), torch.tensor([0, 57, 58], dtype=torch.int32))
+    assert [t.shape for t in vars(a).values()] == [t.shape for t in vars(b).values()]
+    offsets, at = {}, 0
+    for name, n in [(f, MAX_WORKS) for f in WORK_FIELDS[:3]] + [(f, g.num_sm) for f in MERGE_FIELDS] + \
+                   [(f, MAX_WORKS) for f in WORK_FIELDS[3:]] + [("work_indptr", MAX_WORKS)]:
+        offsets[name], at = at, at + 4 * n
+    info = [g.cluster_size, g.num_clusters] + [offsets[f] for f in PLAN_INFO_FIELDS[2:16]] + [0, 0]
+    ws = torch.full((at,), 0x7F, dtype=torch.uint8)
+    write_schedule(ws, schedule_index(g, info, torch.device("cpu")), a)
+    ints = ws.view(torch.int32)
+    for i, name in enumerate(WORK_FIELDS):
+        assert torch.equal(ints[offsets[name] // 4:][: g.max_works], a.works[i])
+    assert torch.equal(ints[offsets["work_indptr"] // 4:][: g.num_clusters + 1], a.work_indptr)
+    for i, name in enumerate(MERGE_FIELDS):
+        assert torch.equal(ints[offsets[name] // 4:][: g.num_sm], a.merge[i])
+    with pytest.raises(RuntimeError, match="plan layout"):
+        schedule_index(g, [2, g.num_clusters] + info[2:], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch_size=0, q_len=1, num_heads=16, num_sm=132), "positive"),
+    (dict(batch_size=2, q_len=4, num_heads=24, num_sm=132), "24 heads do not divide"),
+    (dict(batch_size=16384, q_len=4, num_heads=16, num_sm=132), "work items"),
+])
+def test_geometry_refuses_what_the_kernel_cannot_run(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Fa3Geometry(**kwargs)
