@@ -3,8 +3,8 @@
 FlashInfer's MLA kernel is persistent: cluster ``c`` runs work items ``work_indptr[c] ..
 work_indptr[c + 1]``, each one query tile of one request over one kv range; the tiles whose kv
 was split write partial outputs, which merge CTAs combine after a grid-wide sync. FlashInfer
-fills that schedule on the host from host kv lengths (``MLAPlan`` in scheduler.cuh, a sync and
-~0.7 ms of Python per pass). This module builds a schedule of the same form on the device from
+fills that schedule on the host from host kv lengths (``MLAPlan`` in scheduler.cuh: a sync, and
+0.6-1 ms of host time per pass on the H100 host). This module builds a schedule of the same form on the device from
 device kv lengths, with static shapes, so it runs inside a CUDA graph and needs no host sync:
 the same kv split length, work items and partial/merge layout as MLAPlan, but work items go to
 clusters as contiguous runs of about equal cost where MLAPlan uses a min-heap. Which cluster
@@ -51,11 +51,11 @@ class Fa3Geometry:
     def __post_init__(self) -> None:
         if min(self.batch_size, self.q_len, self.num_heads) < 1:
             raise ValueError(f"batch_size, q_len and num_heads must be positive, got {self}")
-        if self.q_len > 1 and self.tile_q % self.num_heads:
+        if self.num_tiles > 1 and self.tile_q % self.num_heads:
             # FlashInfer's kernel drops a visible key where a causal tile ends mid-token
-            # (_validate_fa_causal_tile_bound); whole tokens per tile avoid it.
+            # (its _validate_fa_causal_tile_bound); whole tokens per tile avoid it.
             raise ValueError(f"flashinfer_mla: {self.num_heads} heads do not divide the {self.tile_q}-row query "
-                             f"tile; use a head count dividing {self.tile_q} or q_len 1")
+                             f"tile of a {self.q_len}-token request; use a head count dividing {self.tile_q}")
         if self.max_works > MAX_WORKS:
             raise ValueError(f"flashinfer_mla: a batch of {self.batch_size} x {self.q_len} tokens can need "
                              f"{self.max_works} work items, over FlashInfer's {MAX_WORKS}; use smaller batches")
@@ -181,7 +181,13 @@ def schedule_index(g: Fa3Geometry, plan_info: list[int], device: torch.device) -
                            f"schedule fills ({g}); pin flashinfer-python to the version in pyproject.toml")
     spans = [(name, g.max_works) for name in WORK_FIELDS] + [("work_indptr", g.num_clusters + 1)]
     spans += [(name, g.num_sm) for name in MERGE_FIELDS]
-    return torch.cat([torch.arange(info[name] // 4, info[name] // 4 + n, device=device) for name, n in spans])  # no copy
+    starts = sorted(info[name] for name in PLAN_INFO_FIELDS[2:16])
+    for name, n in spans:  # each array must fit before the next one starts
+        room = next((s for s in starts if s > info[name]), None)
+        if room is not None and info[name] + 4 * n > room:
+            raise RuntimeError(f"flashinfer_mla: FlashInfer's {name} array holds {(room - info[name]) // 4} entries, "
+                               f"the schedule needs {n}; pin flashinfer-python to the version in pyproject.toml")
+    return torch.cat([torch.arange(info[name] // 4, info[name] // 4 + n, device=device) for name, n in spans])
 
 
 def write_schedule(int_workspace: torch.Tensor, index: torch.Tensor, sched: Fa3Schedule) -> None:

@@ -20,7 +20,22 @@ _CUDA: Optional[ctypes.CDLL] = None
 def _driver() -> ctypes.CDLL:
     global _CUDA
     if _CUDA is None:
-        _CUDA = ctypes.CDLL("libcuda.so.1")
+        cu = ctypes.CDLL("libcuda.so.1")
+        p, pp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+        signatures = {  # handles are pointers: 64-bit arguments, never C ints
+            "cuGraphCreate": [pp, ctypes.c_uint],
+            "cuGraphAddChildGraphNode": [pp, p, pp, ctypes.c_size_t, p],
+            "cuGraphInstantiateWithFlags": [pp, p, ctypes.c_ulonglong],
+            "cuGraphUpload": [p, p],
+            "cuGraphLaunch": [p, p],
+            "cuGraphExecDestroy": [p],
+            "cuGraphDestroy": [p],
+            "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        }
+        for name, args in signatures.items():
+            getattr(cu, name).argtypes = args
+            getattr(cu, name).restype = ctypes.c_int
+        _CUDA = cu
     return _CUDA
 
 
@@ -35,24 +50,23 @@ class JoinedGraph:
     """``graphs`` (captured with keep_graph=True) as one executable graph, run in the given order."""
 
     def __init__(self, graphs: Sequence[torch.cuda.CUDAGraph]) -> None:
-        cu = _driver()
         self._graph, self._exec = ctypes.c_void_p(), ctypes.c_void_p()
+        self._children = tuple(graphs)  # their memory pool must outlive the clones
+        cu = _driver()
         _check(cu.cuGraphCreate(ctypes.byref(self._graph), 0), "cuGraphCreate")
         previous = None
         for g in graphs:
             node = ctypes.c_void_p()
-            deps = (ctypes.c_void_p * 1)(previous) if previous is not None else None
+            deps = ctypes.byref(previous) if previous is not None else None
             _check(cu.cuGraphAddChildGraphNode(ctypes.byref(node), self._graph, deps, int(previous is not None),
-                                               ctypes.c_void_p(g.raw_cuda_graph())), "cuGraphAddChildGraphNode")
+                                               g.raw_cuda_graph()), "cuGraphAddChildGraphNode")
             previous = node
-        _check(cu.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), self._graph, ctypes.c_ulonglong(0)),
-               "cuGraphInstantiateWithFlags")
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(cu.cuGraphUpload(self._exec, stream), "cuGraphUpload")  # the first launch is not slower
+        _check(cu.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), self._graph, 0), "cuGraphInstantiateWithFlags")
+        _check(cu.cuGraphUpload(self._exec, torch.cuda.current_stream().cuda_stream), "cuGraphUpload")  # the first launch is not slower
 
     def launch(self) -> None:
         """Enqueue the joined graph on the current stream."""
-        _check(_driver().cuGraphLaunch(self._exec, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "cuGraphLaunch")
+        _check(_driver().cuGraphLaunch(self._exec, torch.cuda.current_stream().cuda_stream), "cuGraphLaunch")
 
     def __del__(self) -> None:
         cu = _CUDA

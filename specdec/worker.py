@@ -368,8 +368,9 @@ class EagleWorker:
 
         The emitted tokens, accept lengths and stops (``stop_at_limits``: eos, max_new_tokens) go
         to the host in one copy before draft-extend, so finish_step's host bookkeeping runs while the
-        device still works on draft-extend. A CUDA graph of this pass captures the copy and
-        its event record with the rest."""
+        device still works on draft-extend. The graph runner captures its three parts
+        (draft_tree, verify_and_accept with the copy and its event record, draft_extend) as
+        three graphs."""
         tree = self.draft_tree(st, draft_rows)
         result, hidden = self.verify_and_accept(st, tree, target_rows)
         return result, self.draft_extend(st, result, hidden, draft_rows), tree

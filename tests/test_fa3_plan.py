@@ -80,6 +80,7 @@ CASES = [
     (5, 2, 128, 10, [2, 2, 900, 31, 257]),
     (3, 8, 16, 4, [8, 1000, 77]),
     (2, 1, 64, 132, [5000, 12]),
+    (3, 4, 32, 2, [0, 4, 650]),  # a request with no kv at all; one cluster of two CTAs
 ]
 
 
@@ -148,9 +149,15 @@ def test_schedule_is_static_and_written_where_plan_info_says():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(batch_size=0, q_len=1, num_heads=16, num_sm=132), "positive"),
-    (dict(batch_size=2, q_len=4, num_heads=24, num_sm=132), "24 heads do not divide"),
+    (dict(batch_size=2, q_len=8, num_heads=24, num_sm=132), "24 heads do not divide"),
+    (dict(batch_size=2, q_len=1, num_heads=192, num_sm=132), "192 heads do not divide"),
     (dict(batch_size=16384, q_len=4, num_heads=16, num_sm=132), "work items"),
 ])
 def test_geometry_refuses_what_the_kernel_cannot_run(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Fa3Geometry(**kwargs)
+
+
+def test_geometry_takes_any_head_count_in_one_tile():
+    """One query tile per request has no tile boundary inside a token: 24 heads x 4 tokens."""
+    assert Fa3Geometry(batch_size=2, q_len=4, num_heads=24, num_sm=132).num_tiles == 1
