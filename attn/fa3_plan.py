@@ -11,21 +11,31 @@ clusters as contiguous runs of about equal cost where MLAPlan uses a min-heap. W
 runs a work item does not change the result: every partial output has its own rows and the
 merge reads them in the same order.
 
-Uniform query lengths only (decode, draft steps, verify, draft-extend): the tile count per
-request is then static.
+One Triton program writes the whole schedule straight into FlashInfer's int workspace (one
+launch; a whole-tensor torch version, tests/fa3_reference.py, is ~130 kernels and ~190 us of
+GPU time per pass on an H100). Uniform query lengths only (decode, draft steps, verify,
+draft-extend): the tile count per request is then static.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the geometry and layout checks still work
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
 
 MAX_WORKS = 16384  # scheduler.cuh: capacity of each per-work array in the int workspace
 CTA_TILE_Q = 64  # packed (token, head) query rows per CTA
 WORK_FIELDS = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
 MERGE_FIELDS = ("merge_start", "merge_end", "merge_partial_start", "merge_partial_end", "merge_stride")
+LAYOUT_FIELDS = (*WORK_FIELDS, "work_indptr", *MERGE_FIELDS)  # schedule_layout's order
 # MLAPlanInfo::ToVector order: grid dims, then byte offsets into the int (then float) workspace.
 PLAN_INFO_FIELDS = (
     "num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partial_indptr", "merge_start", "merge_end",
@@ -88,109 +98,129 @@ class Fa3Geometry:
         return self.batch_size * self.num_tiles + self.num_clusters
 
 
-@dataclass
-class Fa3Schedule:
-    """A schedule as the kernel reads it, all int32 on the device.
-
-    works: ``[8, max_works]`` (WORK_FIELDS rows, in cluster order; entries past the last work
-    item are unused); work_indptr: ``[num_clusters + 1]``; merge: ``[5, num_sm]`` (MERGE_FIELDS
-    rows; unused merge CTAs have empty ranges).
-    """
-
-    works: torch.Tensor
-    work_indptr: torch.Tensor
-    merge: torch.Tensor
-
-
-def split_limit(avg: torch.Tensor) -> torch.Tensor:
-    """MLAPlan's kv split length from the average kv length per cluster (``[]`` int64)."""
-    return torch.where(avg <= 8, 32, torch.where(avg <= 16, 64, torch.where(avg <= 32, 128, torch.where(
-        avg <= 64, 192, ceil_div(avg, 256) * 256))))
-
-
-def build_schedule(g: Fa3Geometry, kv_lens: torch.Tensor, page_starts: torch.Tensor) -> Fa3Schedule:
-    """The schedule of ``g.batch_size`` requests with kv lengths ``kv_lens`` (``[B]`` int, new
-    tokens included) whose pages start at ``page_starts`` (``[B]`` int) in the CSR page list.
-    Causal: query token i of a request sees kv positions ``< kv_len - q_len + i + 1``.
-    Device ops only, static shapes."""
-    dev, B, T, tile = kv_lens.device, g.batch_size, g.num_tiles, g.tile_q
-    kv = kv_lens.long()[:, None]  # [B, 1]
-    tiles = torch.arange(T - 1, -1, -1, device=dev)  # MLAPlan's order: last tile first
-    # Kv length a tile attends to: causal, up to its last token (the last tile sees everything).
-    causal_end = (kv - g.q_len + ceil_div((tiles + 1) * tile, g.num_heads)).clamp(min=0).minimum(kv)
-    rem = torch.where(tiles == T - 1, kv, causal_end).flatten()  # [R = B * T]
-    total = rem.sum()
-    limit = split_limit(ceil_div(total, g.num_clusters).clamp(min=1))
-    split = rem > limit
-    chunks = torch.where(split, ceil_div(rem, limit), 1)  # work items per tile (one for an empty tile)
-    row_tile = (g.packed_q_len - tiles * tile).clamp(max=tile).repeat(B)  # [R] query rows per tile
-    part_rows = torch.where(split, chunks * row_tile, 0)
-    part_base = torch.cumsum(part_rows, 0) - part_rows
-
-    req = torch.arange(B * T, device=dev) // T  # [R] request of each tile
-    k = torch.arange(g.num_clusters, device=dev)  # chunk index; a tile has at most num_clusters
-    valid = k < chunks[:, None]  # [R, K]
-    kv_start = k * limit
-    per_tile = torch.stack([req * g.q_len, page_starts.long()[req], req.new_full((), g.q_len).expand(req.shape[0]),
-                            kv_lens.long()[req], (tiles * tile).repeat(B)])  # [5, R]
-    fields = torch.cat([
-        per_tile[:2, :, None].expand(-1, -1, k.shape[0]),
-        torch.where(split[:, None], part_base[:, None] + k * row_tile[:, None], -1)[None],
-        per_tile[2:, :, None].expand(-1, -1, k.shape[0]),
-        kv_start.expand(rem.shape[0], -1)[None],
-        torch.minimum(kv_start + limit, rem[:, None])[None],
-    ])  # [8, R, K]
-    cost = 2 * tile + fields[7] - fields[6]  # MLAPlan's cost_function
-    flat_valid = valid.flatten()
-    pos = torch.cumsum(flat_valid, 0) - flat_valid.long()
-    dest = torch.where(flat_valid, pos, g.max_works)  # invalid grid cells go to a trash column
-    packed = torch.zeros(9, g.max_works + 1, dtype=torch.long, device=dev)
-    packed.scatter_(1, dest.expand(9, -1), torch.cat([fields, cost[None]]).flatten(1))
-    works, cost = packed[:8, :-1], packed[8, :-1]
-
-    # Contiguous runs of about total / num_clusters cost per cluster.
-    cum = torch.cumsum(cost, 0)
-    cluster = torch.where(cost > 0, (cum - cost) * g.num_clusters // cum[-1], g.num_clusters)
-    work_indptr = torch.searchsorted(cluster, torch.arange(g.num_clusters + 1, device=dev))
-
-    # Merge CTAs: a split tile's rows in chunks, each CTA combining its rows' partial outputs.
-    qo_chunks = (rem * g.cluster_size // limit).clamp(min=1)
-    row_chunk = ceil_div(row_tile, qo_chunks)
-    merges = torch.where(split, ceil_div(row_tile, row_chunk), 0)  # [R]
-    m = torch.arange(tile, device=dev)
-    m_valid = (m < merges[:, None]).flatten()
-    m_dest = torch.where(m_valid, torch.cumsum(m_valid, 0) - m_valid.long(), g.num_sm)
-    row0 = (req * g.packed_q_len + (tiles * tile).repeat(B))[:, None]
-    off = m * row_chunk[:, None]  # [R, M]
-    merge_vals = torch.stack([
-        row0 + off, row0 + torch.minimum(off + row_chunk[:, None], row_tile[:, None]), part_base[:, None] + off,
-        (part_base + chunks * row_tile)[:, None].expand_as(off), row_tile[:, None].expand_as(off),
-    ]).flatten(1)
-    merge = torch.zeros(5, g.num_sm + 1, dtype=torch.long, device=dev)
-    merge.scatter_(1, m_dest.expand(5, -1), merge_vals)
-    return Fa3Schedule(works.int(), work_indptr.int(), merge[:, :-1].int())
-
-
-def schedule_index(g: Fa3Geometry, plan_info: list[int], device: torch.device) -> torch.Tensor:
-    """Where each value of a flattened schedule (works, work_indptr, merge) goes in the int32
-    view of FlashInfer's int workspace, from the byte offsets of the host plan's ``plan_info``
-    (fixed for a given GPU: every array has its capacity, whatever the batch)."""
+def schedule_layout(g: Fa3Geometry, plan_info: list[int]) -> tuple[int, ...]:
+    """Int32 offsets of LAYOUT_FIELDS in FlashInfer's int workspace, from the byte offsets of the
+    host plan's ``plan_info`` (fixed for a GPU: every array has its full capacity whatever the
+    batch). Checks that the layout is the one this schedule fills."""
     info = dict(zip(PLAN_INFO_FIELDS, plan_info))
     if len(plan_info) != len(PLAN_INFO_FIELDS) or (info["num_blks_x"], info["num_blks_y"]) != (g.cluster_size, g.num_clusters):
         raise RuntimeError(f"flashinfer_mla: FlashInfer's MLA plan layout {list(plan_info)} is not the one this "
                            f"schedule fills ({g}); pin flashinfer-python to the version in pyproject.toml")
-    spans = [(name, g.max_works) for name in WORK_FIELDS] + [("work_indptr", g.num_clusters + 1)]
-    spans += [(name, g.num_sm) for name in MERGE_FIELDS]
+    sizes = dict.fromkeys(WORK_FIELDS, g.max_works) | {"work_indptr": g.num_clusters + 1} | dict.fromkeys(MERGE_FIELDS, g.num_sm)
     starts = sorted(info[name] for name in PLAN_INFO_FIELDS[2:16])
-    for name, n in spans:  # each array must fit before the next one starts
+    for name, n in sizes.items():  # each array must fit before the next one starts
         room = next((s for s in starts if s > info[name]), None)
         if room is not None and info[name] + 4 * n > room:
             raise RuntimeError(f"flashinfer_mla: FlashInfer's {name} array holds {(room - info[name]) // 4} entries, "
                                f"the schedule needs {n}; pin flashinfer-python to the version in pyproject.toml")
-    return torch.cat([torch.arange(info[name] // 4, info[name] // 4 + n, device=device) for name, n in spans])
+    return tuple(info[name] // 4 for name in LAYOUT_FIELDS)
 
 
-def write_schedule(int_workspace: torch.Tensor, index: torch.Tensor, sched: Fa3Schedule) -> None:
-    """Scatter ``sched`` into FlashInfer's int workspace (uint8) at ``index`` (schedule_index)."""
-    values = torch.cat([sched.works.flatten(), sched.work_indptr, sched.merge.flatten()])
-    int_workspace.view(torch.int32).index_copy_(0, index, values)
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _schedule_kernel(
+    kv_lens_ptr, page_starts_ptr, ws_ptr,
+    o_q_indptr, o_kv_indptr, o_partial, o_q_len, o_kv_len, o_q_start, o_kv_start, o_kv_end, o_work_indptr,
+    o_m_start, o_m_end, o_mp_start, o_mp_end, o_m_stride,
+    NUM_REQ: tl.constexpr, NUM_TILES: tl.constexpr, Q_LEN: tl.constexpr, HEADS: tl.constexpr, TILE: tl.constexpr,
+    CLUSTER: tl.constexpr, NUM_CLUSTERS: tl.constexpr, NUM_SM: tl.constexpr,
+    R_P2: tl.constexpr, C_BLOCK: tl.constexpr, SM_P2: tl.constexpr,
+):
+    """One program. Lanes are the tiles (request r's tiles, last first, as MLAPlan orders them);
+    a tile's work items and merge CTAs are consecutive, so their positions are prefix sums over
+    tiles and each item is written by its tile's lane in a loop over chunk indices."""
+    lane = tl.arange(0, R_P2)
+    is_tile = lane < NUM_REQ * NUM_TILES
+    req = lane // NUM_TILES
+    t = NUM_TILES - 1 - lane % NUM_TILES
+    kv = tl.load(kv_lens_ptr + req, mask=is_tile, other=0).to(tl.int64)
+    page_start = tl.load(page_starts_ptr + req, mask=is_tile, other=0)
+    # Kv length the tile attends to: causal, up to its last token (the last tile sees all).
+    causal_end = tl.minimum(tl.maximum(kv - Q_LEN + ((t + 1) * TILE + HEADS - 1) // HEADS, 0), kv)
+    rem = tl.where(t == NUM_TILES - 1, kv, causal_end)
+    rem = tl.where(is_tile, rem, 0)
+    avg = tl.maximum((tl.sum(rem, 0) + NUM_CLUSTERS - 1) // NUM_CLUSTERS, 1)
+    limit = tl.where(avg <= 8, 32, tl.where(avg <= 16, 64, tl.where(avg <= 32, 128, tl.where(
+        avg <= 64, 192, (avg + 255) // 256 * 256)))).to(tl.int64)
+    split = rem > limit
+    chunks = tl.where(is_tile, tl.where(split, (rem + limit - 1) // limit, 1), 0)  # work items of the tile
+    row_tile = tl.minimum(Q_LEN * HEADS - t * TILE, TILE)  # query rows of the tile
+    part_rows = tl.where(split, chunks * row_tile, 0)
+    part_base = tl.cumsum(part_rows, 0) - part_rows
+    work_base = tl.cumsum(chunks, 0) - chunks
+    tile_cost = 2 * TILE * chunks + rem  # MLAPlan's cost_function summed over the tile's items
+    cost_base = tl.cumsum(tile_cost, 0) - tile_cost
+    total_cost = tl.sum(tile_cost, 0)
+
+    q_indptr = req * Q_LEN
+    for k in range(0, tl.max(chunks, 0)):
+        live = k < chunks
+        at = ws_ptr + work_base + k
+        kv_start = k * limit
+        tl.store(at + o_q_indptr, q_indptr.to(tl.int32), mask=live)
+        tl.store(at + o_kv_indptr, page_start, mask=live)
+        tl.store(at + o_partial, tl.where(split, part_base + k * row_tile, -1).to(tl.int32), mask=live)
+        tl.store(at + o_q_len, tl.full([R_P2], Q_LEN, tl.int32), mask=live)
+        tl.store(at + o_kv_len, kv.to(tl.int32), mask=live)
+        tl.store(at + o_q_start, (t * TILE).to(tl.int32), mask=live)
+        tl.store(at + o_kv_start, kv_start.to(tl.int32), mask=live)
+        tl.store(at + o_kv_end, tl.minimum(kv_start + limit, rem).to(tl.int32), mask=live)
+
+    # Cluster c runs the items whose cost prefix p has p * NUM_CLUSTERS < c * total_cost
+    # (contiguous runs of about equal cost). Item k of a tile has prefix cost_base + k * step:
+    # every item but a tile's last is a full `limit` long.
+    # ceil(room / den) in fp64, not an int64 division (slow on the GPU), and exact: a quotient is
+    # below 2^20 (items per tile), so fp64 is within 2^-32 of it, while a non-integer one lies at
+    # least 1 / den from an integer (den: about the total kv length, below 2^28).
+    den = ((2 * TILE + limit) * NUM_CLUSTERS).to(tl.float64)
+    for c0 in range(0, NUM_CLUSTERS + 1, C_BLOCK):
+        c = c0 + tl.arange(0, C_BLOCK)
+        room = c[:, None].to(tl.int64) * total_cost - cost_base[None, :] * NUM_CLUSTERS
+        below = tl.where(room > 0, tl.math.ceil(room.to(tl.float64) / den), 0.0)
+        count = tl.sum(tl.minimum(below, chunks[None, :].to(tl.float64)), 1)
+        tl.store(ws_ptr + o_work_indptr + c, count.to(tl.int32), mask=c <= NUM_CLUSTERS)
+
+    # Merge CTAs: a split tile's rows in chunks, each combining its rows' partial outputs.
+    qo_chunks = tl.maximum(rem * CLUSTER // limit, 1)
+    row_chunk = (row_tile + qo_chunks - 1) // qo_chunks
+    merges = tl.where(split, (row_tile + row_chunk - 1) // row_chunk, 0)
+    merge_base = tl.cumsum(merges, 0) - merges
+    row0 = req * Q_LEN * HEADS + t * TILE
+    for m in range(0, tl.max(merges, 0)):
+        live = m < merges
+        at = ws_ptr + merge_base + m
+        off = m * row_chunk
+        tl.store(at + o_m_start, (row0 + off).to(tl.int32), mask=live)
+        tl.store(at + o_m_end, (row0 + tl.minimum(off + row_chunk, row_tile)).to(tl.int32), mask=live)
+        tl.store(at + o_mp_start, (part_base + off).to(tl.int32), mask=live)
+        tl.store(at + o_mp_end, (part_base + chunks * row_tile).to(tl.int32), mask=live)
+        tl.store(at + o_m_stride, row_tile.to(tl.int32), mask=live)
+    cta = ws_ptr + tl.arange(0, SM_P2)
+    idle = (tl.arange(0, SM_P2) >= tl.sum(merges, 0)) & (tl.arange(0, SM_P2) < NUM_SM)  # nothing to merge
+    zero = tl.zeros([SM_P2], tl.int32)
+    tl.store(cta + o_m_start, zero, mask=idle)
+    tl.store(cta + o_m_end, zero, mask=idle)
+    tl.store(cta + o_mp_start, zero, mask=idle)
+    tl.store(cta + o_mp_end, zero, mask=idle)
+    tl.store(cta + o_m_stride, zero, mask=idle)
+
+
+def write_schedule(int_workspace: torch.Tensor, layout: tuple[int, ...], g: Fa3Geometry,
+                   kv_lens: torch.Tensor, page_starts: torch.Tensor) -> None:
+    """Write the schedule of ``g.batch_size`` requests with kv lengths ``kv_lens`` (``[B]`` int32,
+    new tokens included) whose pages start at ``page_starts`` (``[B]`` int32) in the CSR page
+    list into FlashInfer's int workspace (uint8) at ``layout`` (schedule_layout). Causal: query
+    token i of a request sees kv positions ``< kv_len - q_len + i + 1``. One launch; no sync."""
+    if triton is None:
+        raise RuntimeError("flashinfer_mla's device schedule needs Triton, which is not installed")
+    r_p2 = triton.next_power_of_2(g.batch_size * g.num_tiles)
+    _schedule_kernel[(1,)](
+        kv_lens, page_starts, int_workspace.view(torch.int32), *layout,
+        NUM_REQ=g.batch_size, NUM_TILES=g.num_tiles, Q_LEN=g.q_len, HEADS=g.num_heads, TILE=g.tile_q,
+        CLUSTER=g.cluster_size, NUM_CLUSTERS=g.num_clusters, NUM_SM=g.num_sm,
+        R_P2=r_p2, C_BLOCK=max(1, min(triton.next_power_of_2(g.num_clusters + 1), 4096 // r_p2)),
+        SM_P2=triton.next_power_of_2(g.num_sm), num_warps=4,
+    )

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, AttnBatch, const_arange
-from attn.fa3_plan import Fa3Geometry, build_schedule, schedule_index, write_schedule
+from attn.fa3_plan import Fa3Geometry, schedule_layout, write_schedule
 from attn.paged import PagedMLABackend
 
 
@@ -41,7 +41,7 @@ class FlashInferMLABackend(PagedMLABackend):
         self.wrapper = BatchMLAPagedAttentionWrapper(self._float_workspace, backend=self._backend)  # host-planned prefill
         self.wrapper_in_use = self.wrapper  # or a device-scheduled wrapper (init_forward_metadata)
         self._scheduled: dict[int, object] = {}  # cluster size -> wrapper planned once, scheduled on the device
-        self._indices: dict[Fa3Geometry, torch.Tensor] = {}  # where each geometry's schedule goes
+        self._layouts: dict[Fa3Geometry, tuple[int, ...]] = {}  # where each geometry's schedule goes
         # The CSR page list of a uniform pass: [max_bs * max_pages + 1] int32, the last entry trash.
         self._kv_indices = torch.zeros(self.max_batch_size * self.max_pages + 1, dtype=torch.int32, device=device)
 
@@ -69,11 +69,10 @@ class FlashInferMLABackend(PagedMLABackend):
             raise ValueError(f"{self.name}: batch of {batch.batch_size} exceeds max_batch_size {self.max_batch_size}")
         geometry = Fa3Geometry(batch.batch_size, batch.max_q_len, self.layer.num_heads, self._num_sm)
         wrapper = self._scheduled_wrapper(geometry)
-        index = self._indices.get(geometry)
-        if index is None:
-            index = self._indices[geometry] = schedule_index(geometry, list(wrapper._plan_info), self.kv.device)
-        page_starts = self._pack_kv_indices()
-        write_schedule(wrapper._int_workspace_buffer, index, build_schedule(geometry, md.seq_lens, page_starts))
+        layout = self._layouts.get(geometry)
+        if layout is None:
+            layout = self._layouts[geometry] = schedule_layout(geometry, list(wrapper._plan_info))
+        write_schedule(wrapper._int_workspace_buffer, layout, geometry, md.seq_lens, self._pack_kv_indices())
         self.wrapper_in_use = wrapper
 
     def _scheduled_wrapper(self, g: Fa3Geometry):

@@ -4,7 +4,8 @@
 
 Per backend and batch size: step time eager and with graphs, host time per step (launch: pages,
 inputs, host plans, the replay; finish: the bookkeeping after the step's one copy to the host;
-the median step of the fastest of HOST_ROUNDS rounds, and that round's mean of launch + finish),
+the median step of the fastest of HOST_ROUNDS rounds, that round's mean of launch + finish, and
+its median thread CPU time, which leaves out time spent waiting for a core),
 host syncs per step, mean accept length, tokens/s with spec decoding (graphs where supported) and
 target-only (graphed where the spec step is); then graph capture time and memory. Uses the identity draft (the target as its own
 standalone draft) so every step accepts num_steps tokens and the numbers show the machinery's
@@ -79,19 +80,22 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
     wall = time.perf_counter() - start
     rounds = []
     for _ in range(HOST_ROUNDS):  # host work alone: the GPU is drained before the bookkeeping is timed
-        launch, finish = [], []
+        launch, finish, cpu = [], [], []
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             result = worker.launch_step()
             launch.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             worker.finish_step(result)
             finish.append(time.perf_counter() - t0)
-        rounds.append((launch, finish))
+            cpu[-1] += time.thread_time() - c0
+        rounds.append((launch, finish, cpu))
     # This host's speed drifts over seconds (a fixed Python loop has timed 7 to 36 ms, the one-graph
     # replay 14 to 58 us): the round with the lowest median step is the host work, not the drift.
-    launch, finish = min(rounds, key=lambda r: statistics.median(a + b for a, b in zip(*r)))
+    # The thread's CPU time (host_cpu_us) leaves out the time the thread waited for a core.
+    launch, finish, cpu = min(rounds, key=lambda r: statistics.median(a + b for a, b in zip(*r[:2])))
     syncs = count_syncs(worker.step)
     replay = [float("nan")]
     if worker.graph_runner is not None:  # the floor of launch: the bucket's graph launch alone
@@ -110,7 +114,8 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
     host = [a + b for a, b in zip(launch, finish)]
     return {"step_ms": wall / steps * 1e3, "replay_us": statistics.median(replay) * 1e6,
             "launch_us": statistics.median(launch) * 1e6, "finish_us": statistics.median(finish) * 1e6,
-            "host_us": statistics.median(host) * 1e6, "host_mean_us": statistics.mean(host) * 1e6, "syncs": syncs,
+            "host_us": statistics.median(host) * 1e6, "host_mean_us": statistics.mean(host) * 1e6,
+            "host_cpu_us": statistics.median(cpu) * 1e6, "syncs": syncs,
             "accept": sum(accept) / len(accept), "tok_s": emitted / wall}
 
 
@@ -181,7 +186,7 @@ def run_one(target, backend: str, bs: int, cfg: SpecConfig, prompts: list[list[i
     return {
         "backend": backend, "batch": bs, "eager_ms": eager["step_ms"], "graph_ms": graph["step_ms"] if graph else float("nan"),
         "speedup": eager["step_ms"] / graph["step_ms"] if graph else float("nan"),
-        **{k: best[k] for k in ("replay_us", "launch_us", "finish_us", "host_us", "host_mean_us")},
+        **{k: best[k] for k in ("replay_us", "launch_us", "finish_us", "host_us", "host_mean_us", "host_cpu_us")},
         "syncs": best["syncs"], "accept": best["accept"], "spec_tok_s": best["tok_s"],
         "target_tok_s": target_only_tok_s(target, prompts, backend, graph is not None), "capture_s": capture_s, "capture_MiB": capture_mb,
     }

@@ -1,19 +1,26 @@
 """The device-built FlashInfer MLA schedule (attn.fa3_plan), checked on the CPU by running it.
 
-``run_schedule`` plays the kernel's contract in plain torch (mla_hopper.cuh: each cluster's
-work items, a query tile over a kv range under the causal bound, partial outputs for split
-tiles, then the merge CTAs) and the result must equal a dense causal attention. Any wrong
-work item, kv range, partial row or merge entry shows up as a wrong or missing output row.
+``run_schedule`` plays the attention kernel's contract in plain torch (mla_hopper.cuh: each
+cluster's work items, a query tile over a kv range under the causal bound, partial outputs for
+split tiles, then the merge CTAs) on the torch reference schedule (tests/fa3_reference.py), and
+the result must equal a dense causal attention: any wrong work item, kv range, partial row or
+merge entry shows up as a wrong or missing output row. The Triton kernel that writes the
+schedule must write the reference's arrays exactly (Triton's interpreter, where Triton is
+installed; on the GPU, tests/test_gpu_backends.py compares against FlashInfer's own plan).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from attn.fa3_plan import (
-    MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, build_schedule, schedule_index, write_schedule,
-)
+from attn.fa3_plan import MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, schedule_layout
+from fa3_reference import build_schedule
 
 D = 8  # head dim of the toy attention: the schedule does not depend on it
 
@@ -81,6 +88,7 @@ CASES = [
     (3, 8, 16, 4, [8, 1000, 77]),
     (2, 1, 64, 132, [5000, 12]),
     (3, 4, 32, 2, [0, 4, 650]),  # a request with no kv at all; one cluster of two CTAs
+    (1, 1, 16, 2, [512]),  # two equal kv chunks: a cluster boundary falls exactly between them
 ]
 
 
@@ -106,7 +114,10 @@ def test_schedule_computes_causal_attention(bs, q_len, heads, sms, kv):
     assert int(sched.work_indptr[-1]) <= g.max_works
 
 
-@pytest.mark.parametrize("bs,q_len,heads,kv", [(2, 1, 16, [16000, 300]), (64, 4, 128, [50000] + list(range(100, 6400, 100)))])
+BALANCE_CASES = [(2, 1, 16, [16000, 300]), (64, 4, 128, [50000] + list(range(100, 6400, 100)))]
+
+
+@pytest.mark.parametrize("bs,q_len,heads,kv", BALANCE_CASES)
 def test_schedule_splits_long_kv_and_balances_clusters(bs, q_len, heads, kv):
     """Long requests are split into kv chunks spread over the clusters; no cluster's cost
     (MLAPlan's 2 * tile + kv length per item) is more than one item above the mean."""
@@ -123,28 +134,75 @@ def test_schedule_splits_long_kv_and_balances_clusters(bs, q_len, heads, kv):
     assert (per_cluster > 0).sum() >= min(n, g.num_clusters) // 2  # the work is spread, not piled up
 
 
-def test_schedule_is_static_and_written_where_plan_info_says():
-    """Shapes depend only on the geometry (graph safe), and write_schedule puts every array at
-    its plan_info byte offset in the int workspace."""
-    g = Fa3Geometry(3, 2, 16, 12)
-    a = build_schedule(g, torch.tensor([5, 80, 9], dtype=torch.int32), torch.tensor([0, 1, 6], dtype=torch.int32))
-    b = build_schedule(g, torch.tensor([900, 2, 40], dtype=torch.int32), torch.tensor([0, 57, 58], dtype=torch.int32))
-    assert [t.shape for t in vars(a).values()] == [t.shape for t in vars(b).values()]
+def fake_plan_info(g: Fa3Geometry) -> tuple[list[int], int]:
+    """A plan_info laid out as FlashInfer's MLAPlan lays it out (each array at full capacity, in
+    its allocation order), and the workspace bytes it spans."""
     offsets, at = {}, 0
     for name, n in [(f, MAX_WORKS) for f in WORK_FIELDS[:3]] + [(f, g.num_sm) for f in MERGE_FIELDS] + \
                    [(f, MAX_WORKS) for f in WORK_FIELDS[3:]] + [("work_indptr", MAX_WORKS)]:
         offsets[name], at = at, at + 4 * n
-    info = [g.cluster_size, g.num_clusters] + [offsets[f] for f in PLAN_INFO_FIELDS[2:16]] + [0, 0]
-    ws = torch.full((at,), 0x7F, dtype=torch.uint8)
-    write_schedule(ws, schedule_index(g, info, torch.device("cpu")), a)
-    ints = ws.view(torch.int32)
-    for i, name in enumerate(WORK_FIELDS):
-        assert torch.equal(ints[offsets[name] // 4:][: g.max_works], a.works[i])
-    assert torch.equal(ints[offsets["work_indptr"] // 4:][: g.num_clusters + 1], a.work_indptr)
-    for i, name in enumerate(MERGE_FIELDS):
-        assert torch.equal(ints[offsets[name] // 4:][: g.num_sm], a.merge[i])
+    return [g.cluster_size, g.num_clusters] + [offsets[f] for f in PLAN_INFO_FIELDS[2:16]] + [0, 0], at
+
+
+def test_schedule_shapes_are_static_and_layout_follows_plan_info():
+    """Shapes depend only on the geometry (graph safe); the layout is plan_info's byte offsets
+    in int32 units, and a layout of another shape or with too little room is refused."""
+    g = Fa3Geometry(3, 2, 16, 12)
+    a = build_schedule(g, torch.tensor([5, 80, 9], dtype=torch.int32), torch.tensor([0, 1, 6], dtype=torch.int32))
+    b = build_schedule(g, torch.tensor([900, 2, 40], dtype=torch.int32), torch.tensor([0, 57, 58], dtype=torch.int32))
+    assert [t.shape for t in vars(a).values()] == [t.shape for t in vars(b).values()]
+    info, _ = fake_plan_info(g)
+    byte_offsets = dict(zip(PLAN_INFO_FIELDS, info))
+    assert schedule_layout(g, info)[:3] == tuple(byte_offsets[f] // 4 for f in WORK_FIELDS[:3])
     with pytest.raises(RuntimeError, match="plan layout"):
-        schedule_index(g, [2, g.num_clusters] + info[2:], torch.device("cpu"))
+        schedule_layout(g, [2, g.num_clusters] + info[2:])
+    cramped = list(info)
+    cramped[PLAN_INFO_FIELDS.index("kv_indptr")] = info[PLAN_INFO_FIELDS.index("q_indptr")] + 4 * (g.max_works - 1)
+    with pytest.raises(RuntimeError, match="q_indptr array holds"):
+        schedule_layout(g, cramped)
+
+
+_INTERPRETED = """
+import torch
+import triton.runtime.interpreter as interpreter
+
+# The interpreter turns loaded scalars into 1-element arrays, which NumPy 2 refuses as loop bounds.
+_patch = interpreter._patch_lang_tensor
+def _patch_index(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patch_index
+
+from attn.fa3_plan import Fa3Geometry, schedule_layout, write_schedule
+from fa3_reference import build_schedule
+from test_fa3_plan import BALANCE_CASES, CASES, fake_plan_info
+
+for bs, q_len, heads, sms, kv in CASES + [(bs, q, h, 132, kv) for bs, q, h, kv in BALANCE_CASES]:
+    g = Fa3Geometry(bs, q_len, heads, sms)
+    kv_lens = torch.tensor(kv, dtype=torch.int32)
+    page_starts = (torch.cumsum(kv_lens // 16 + 1, 0) - (kv_lens // 16 + 1)).int()
+    info, nbytes = fake_plan_info(g)
+    layout = schedule_layout(g, info)
+    workspace = torch.full((nbytes,), 0x7F, dtype=torch.uint8)  # garbage wherever nothing is written
+    write_schedule(workspace, layout, g, kv_lens, page_starts)
+    ints, ref = workspace.view(torch.int32), build_schedule(g, kv_lens, page_starts)
+    works = int(ref.work_indptr[-1])
+    wanted = [r[:works] for r in ref.works] + [ref.work_indptr] + list(ref.merge)
+    for offset, want in zip(layout, wanted):
+        assert torch.equal(ints[offset:offset + len(want)], want), (g, offset)
+print("ok")
+"""
+
+
+def test_kernel_writes_the_reference_schedule():
+    """The Triton kernel, under Triton's interpreter, writes every case's reference arrays."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+    result = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("kwargs,match", [
