@@ -11,9 +11,9 @@ clusters as contiguous runs of about equal cost where MLAPlan uses a min-heap. W
 runs a work item does not change the result: every partial output has its own rows and the
 merge reads them in the same order.
 
-One Triton program writes the whole schedule straight into FlashInfer's int workspace (one
-launch; a whole-tensor torch version, tests/fa3_reference.py, is ~130 kernels and ~190 us of
-GPU time per pass on an H100). Uniform query lengths only (decode, draft steps, verify,
+One Triton program writes the whole schedule straight into FlashInfer's int workspace: 5-16 us
+of GPU time per pass on an H100 (batch 1-64), where the whole-tensor torch version
+(tests/fa3_reference.py, the kernel's reference) is ~130 kernels and ~190 us. Uniform query lengths only (decode, draft steps, verify,
 draft-extend): the tile count per request is then static.
 """
 
