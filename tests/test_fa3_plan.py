@@ -11,16 +11,12 @@ installed; on the GPU, tests/test_gpu_backends.py compares against FlashInfer's 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from attn.fa3_plan import MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, schedule_layout
 from fa3_reference import build_schedule
+from interpreted import run_interpreted
 
 D = 8  # head dim of the toy attention: the schedule does not depend on it
 
@@ -164,14 +160,6 @@ def test_schedule_shapes_are_static_and_layout_follows_plan_info():
 
 _INTERPRETED = """
 import torch
-import triton.runtime.interpreter as interpreter
-
-# The interpreter turns loaded scalars into 1-element arrays, which NumPy 2 refuses as loop bounds.
-_patch = interpreter._patch_lang_tensor
-def _patch_index(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patch_index
 
 from attn.fa3_plan import Fa3Geometry, schedule_layout, write_schedule
 from fa3_reference import build_schedule
@@ -197,12 +185,7 @@ print("ok")
 def test_kernel_writes_the_reference_schedule():
     """The Triton kernel, under Triton's interpreter, writes every case's reference arrays."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
-    result = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_interpreted(_INTERPRETED)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -6,11 +6,6 @@ reference for every use case, CUDA-graph replay and the absence of host synchron
 Tolerance: bf16 output vs an fp32 reference, atol = rtol = 2e-2.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,6 +18,7 @@ from attn.triton_mla_kernel import (
     select_config,
     tile_shape,
 )
+from interpreted import run_interpreted
 
 D, DV = 576, 512
 SM_SCALE = 192 ** -0.5
@@ -213,14 +209,6 @@ def test_reference_matches_dense_softmax():
 
 _INTERPRETED = """
 import torch
-import triton.runtime.interpreter as interpreter
-
-# The interpreter turns loaded scalars into 1-element arrays, which NumPy 2 refuses as loop bounds.
-_patch = interpreter._patch_lang_tensor
-def _patch_index(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patch_index
 
 from tests.test_triton_mla_kernel import check, make_inputs, random_mask
 
@@ -239,12 +227,7 @@ print("ok")
 
 def test_kernel_under_triton_interpreter():
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{root}{os.pathsep}"
-               + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_interpreted(_INTERPRETED)
 
 
 # ----------------------------------------------------------------------------- GPU

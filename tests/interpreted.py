@@ -1,0 +1,31 @@
+"""Run a script under Triton's interpreter on the CPU, in a subprocess (the interpreter is
+chosen when kernels are decorated, so it cannot be switched on inside the test process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_PRELUDE = """
+import triton.runtime.interpreter as interpreter
+
+# The interpreter turns loaded scalars into 1-element arrays, which NumPy 2 refuses as loop bounds.
+_patch = interpreter._patch_lang_tensor
+def _patch_index(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patch_index
+"""
+
+
+def run_interpreted(script: str) -> None:
+    """Run ``script`` (which can import from the repository and from tests/) with
+    TRITON_INTERPRET=1 and no GPU; it must print "ok"."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+    result = subprocess.run([sys.executable, "-c", _PRELUDE + script], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
