@@ -4,17 +4,18 @@ FlashInfer's MLA kernel is persistent: cluster ``c`` runs work items ``work_indp
 work_indptr[c + 1]``, each one query tile of one request over one kv range; the tiles whose kv
 was split write partial outputs, which merge CTAs combine after a grid-wide sync. FlashInfer
 fills that schedule on the host from host kv lengths (``MLAPlan`` in scheduler.cuh: a sync, and
-0.6-1 ms of host time per pass on the H100 host). This module builds a schedule of the same form on the device from
-device kv lengths, with static shapes, so it runs inside a CUDA graph and needs no host sync:
-the same kv split length, work items and partial/merge layout as MLAPlan, but work items go to
-clusters as contiguous runs of about equal cost where MLAPlan uses a min-heap. Which cluster
-runs a work item does not change the result: every partial output has its own rows and the
-merge reads them in the same order.
+0.6-1 ms of host time per pass on the H100 host). This module builds a schedule of the same
+form on the device from device kv lengths, with static shapes, so it runs inside a CUDA graph
+and needs no host sync: the same kv split length, work items and partial/merge layout as
+MLAPlan, but work items go to clusters as contiguous runs of about equal cost where MLAPlan uses
+a min-heap. Which cluster runs a work item does not change the result: every partial output has
+its own rows and the merge reads them in the same order.
 
 One Triton program writes the whole schedule straight into FlashInfer's int workspace: 5-16 us
 of GPU time per pass on an H100 (batch 1-64), where the whole-tensor torch version
-(tests/fa3_reference.py, the kernel's reference) is ~130 kernels and ~190 us. Uniform query lengths only (decode, draft steps, verify,
-draft-extend): the tile count per request is then static.
+(tests/fa3_reference.py, the kernel's reference) is ~130 kernels and ~190 us. Uniform query
+lengths only (decode, draft steps, verify, draft-extend): the tile count per request is then
+static.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def schedule_layout(g: Fa3Geometry, plan_info: list[int]) -> tuple[int, ...]:
     if len(plan_info) != len(PLAN_INFO_FIELDS) or (info["num_blks_x"], info["num_blks_y"]) != (g.cluster_size, g.num_clusters):
         raise RuntimeError(f"flashinfer_mla: FlashInfer's MLA plan layout {list(plan_info)} is not the one this "
                            f"schedule fills ({g}); pin flashinfer-python to the version in pyproject.toml")
-    sizes = dict.fromkeys(WORK_FIELDS, g.max_works) | {"work_indptr": g.num_clusters + 1} | dict.fromkeys(MERGE_FIELDS, g.num_sm)
+    sizes = {**dict.fromkeys(WORK_FIELDS, g.max_works), "work_indptr": g.num_clusters + 1,
+             **dict.fromkeys(MERGE_FIELDS, g.num_sm)}
     starts = sorted(info[name] for name in PLAN_INFO_FIELDS[2:16])
     for name, n in sizes.items():  # each array must fit before the next one starts
         room = next((s for s in starts if s > info[name]), None)
