@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from attn.triton_mla_kernel import KernelConfig, _launch, mla_paged_attention, plan_launch, tile_shape
+from attn.triton_mla_kernel import KernelConfig, _launch, launch_config, mla_paged_attention, plan_launch, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64
@@ -142,6 +142,7 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
                        torch.cuda.get_device_properties(0).multi_processor_count)
     row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
                tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
+               kernel="wgmma" if launch_config(plan, case.q, case.kv_pool[0]).wgmma else "triton",
                triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
                frac_roofline=roof_us / ours_us, fa3_us=float("nan"), fa3_frac=float("nan"),
                speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))
@@ -158,7 +159,7 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     return row
 
 
-COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads", "{:>5}"), ("tile", "{:>5}"), ("splits", "{:>6}"),
+COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads", "{:>5}"), ("tile", "{:>5}"), ("splits", "{:>6}"), ("kernel", "{:>6}"),
            ("triton_us", "{:>9.1f}"), ("gb_s", "{:>7.0f}"), ("roofline_us", "{:>11.1f}"),
            ("frac_roofline", "{:>13.2f}"), ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.2f}"),
            ("speedup_vs_fa3", "{:>14.2f}"), ("max_diff_vs_fa3", "{:>15.4f}")]
@@ -180,7 +181,7 @@ def plot(rows: list[dict], path: Path) -> None:
     labels = [f"b{r['batch']} s{r['seq_len'] // 1024}k q{r['q_len']} h{r['heads']}" for r in rows]
     x = range(len(rows))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(12, len(rows) * 0.35), 9), sharex=True)
-    top.bar([i - 0.2 for i in x], [r["frac_roofline"] for r in rows], width=0.4, label="Triton")
+    top.bar([i - 0.2 for i in x], [r["frac_roofline"] for r in rows], width=0.4, label="ours (Triton / Gluon wgmma)")
     top.bar([i + 0.2 for i in x], [r["fa3_frac"] for r in rows], width=0.4, label="FlashInfer FA3")
     top.axhline(0.8, color="gray", linestyle="--", linewidth=0.8)
     top.set_ylabel("fraction of roofline")
@@ -196,31 +197,34 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-SWEEP = [  # (batch, seq_len, q_len, heads), split counts, (block_n, num_warps, num_stages)
+SWEEP = [  # (batch, seq_len, q_len, heads), split counts, KernelConfig fields
     ((1, 1024, 1, 16), [16, 32], [(32, 4, 2), (32, 8, 2)]),
     ((1, 16384, 1, 16), [64, 128], [(32, 4, 2), (64, 8, 2)]),
     ((8, 4096, 1, 16), [16, 32], [(32, 4, 2), (64, 4, 2)]),
     ((128, 4096, 1, 16), [1, 2], [(32, 4, 2), (64, 4, 2)]),
     ((8, 4096, 2, 16), [8, 16], [(32, 8, 2), (64, 8, 2)]),
-    ((1, 16384, 1, 128), [32, 64, 128], [(64, 8, 2)]),
+    ((1, 16384, 1, 128), [32, 64, 128], [(64, 8, 2), (64, 8, 2, 1, True), (32, 8, 4, 1, True)]),
+    ((32, 4096, 4, 16), [2, 4], [(64, 8, 2), (64, 8, 2, 1, True), (32, 8, 3, 1, True)]),
 ]
 
 
 def sweep(bandwidth: float) -> None:
-    """Time split counts x launch configs of the Triton kernel on a few shapes (for retuning)."""
+    """Time split counts x launch configs (Triton and, on 64-row tiles, wgmma kernels) on a few
+    shapes (for retuning)."""
     print("\nsweep: shape, num_splits, config -> us (fraction of roofline)")
     for shape, splits_options, configs in SWEEP:
         case = Case(*shape)
-        tile = tile_shape(case.heads, case.q_len)
         roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
-        for num_splits, (block_n, warps, stages) in itertools.product(splits_options, configs):
-            config = KernelConfig(block_n, warps, stages)
+        for num_splits, fields in itertools.product(splits_options, configs):
+            config = KernelConfig(*fields)
             try:
                 us = graph_time_us([case.launch_call(r, num_splits, config) for r in range(case.rotations)])
                 result = f"{us:8.1f} us ({roof_us / us:.2f})"
             except Exception as error:  # an oversized config fails to compile: report and go on
                 result = f"failed: {type(error).__name__}: {str(error)[:80]}"
-            print(f"{shape} splits={num_splits:<3} n{block_n} w{warps} s{stages}: {result}", flush=True)
+            kind = "wgmma" if config.wgmma else "triton"
+            print(f"{shape} splits={num_splits:<3} {kind} n{config.block_n} w{config.num_warps} s{config.num_stages}: "
+                  f"{result}", flush=True)
         del case
         torch.cuda.empty_cache()
 

@@ -9,6 +9,7 @@ Tolerance: bf16 output vs an fp32 reference, atol = rtol = 2e-2.
 import pytest
 import torch
 
+from attn import triton_mla_wgmma
 from attn.triton_mla_kernel import (
     MAX_SPLITS,
     min_split_len,
@@ -280,6 +281,21 @@ def test_draft_extend_variable_q_len(num_heads):
     args, q = make_inputs([3, 50, 0, 800, 8, 4000], [3, 0, 0, 1, 8, 5], num_heads, 16, "cuda", max_q_len=8)
     check(args, q)
     check(args, q, num_splits=5)
+
+
+@pytest.mark.parametrize("num_heads, q_len", [(128, 1), (16, 4), (128, 4)])
+@gpu
+def test_nan_past_each_length_stays_out(num_heads, q_len):
+    """Cache rows past each request's length (inside its last page) hold NaN: the 64-row wgmma
+    tile, whose TMA copies whole pages, must keep them out of P @ V."""
+    args, q = make_inputs([1, 70, 1000, 4095], [q_len] * 4, num_heads, 64, "cuda")
+    kv, bt = args["kv_cache"], args["block_tables"].cpu()
+    for b, n in enumerate(args["seq_lens"].tolist()):
+        kv[bt[b, (n - 1) // 64], (n - 1) % 64 + 1:] = float("nan")
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert triton_mla_wgmma.supports(args["q"], kv)
+    check(args, q)
+    check(args, q, num_splits=3)
 
 
 @gpu

@@ -1,0 +1,262 @@
+"""The 64-row MLA attention tile for Hopper, written in Gluon: TMA-fed, wgmma, P through smem.
+
+Same contract as ``_mla_attention_kernel`` in attn/triton_mla_kernel.py (which launches it), for
+the tiles where that kernel is compute-bound: 64 (query token x head) rows, a 16-bit cache whose
+pages hold whole 64-row kv tiles, on SM90. Triton's own lowering of that tile keeps the query in
+registers next to the [64, 512] fp32 accumulator and spills (255 registers, ~3 KB of spills);
+here the layout is FlashInfer FA3-MLA's, spelled out:
+
+- the query tile ([64, 512] + [64, 64] bf16) sits in shared memory for the whole program;
+- kv tiles ([BLOCK_N, 512] + [BLOCK_N, 64] bf16) arrive by TMA into NUM_STAGES stages, the next
+  tiles' copies in flight while the current one is computed. 64-row tiles in two stages (72 KB
+  each) measured fastest on an H100: 32-row tiles in three or four stages were 0-45% slower;
+- the two warpgroups split every product along N: QK^T gives each half of the kv columns, PV each
+  256 of the 512 output dims (a 128-register accumulator a thread), so the softmax's row max is
+  the only exchange between them; the probabilities go to shared memory as PV's A operand.
+
+Shared memory: 72 KB query + 2 x 72 KB kv + 8 KB P, one program per SM; 254 registers, no spills
+(tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
+
+Where it stands (H100): 0.5-0.54 of the bf16 peak on compute-bound shapes against FA3's ~0.7.
+QK^T is bound by shared-memory reads: with N split, each warpgroup reads the whole query tile
+per kv tile at N = 32, ~1.5x the cycles of its MMAs. Splitting QK^T along K instead (each
+warpgroup half of the 576 dims at N = 64, partial scores summed through shared memory) needs
+warp-specialised partitions; that is the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # CPU-only install, or a Triton without Gluon: the Triton tile serves instead
+    gluon = None
+
+BLOCK_M = 64  # rows of one program: one wgmma M per warpgroup
+BLOCK_N = 64  # kv rows per tile (at most); a page must hold whole tiles
+NUM_WARPS = 8  # two warpgroups
+D_NOPE = 512
+D_PE = 64
+# The same sizes as kernel-visible constants.
+_constexpr = gl.constexpr if gluon is not None else int
+_BLOCK_M, _NUM_WARPS = _constexpr(BLOCK_M), _constexpr(NUM_WARPS)
+_D_NOPE, _D_PE = _constexpr(D_NOPE), _constexpr(D_PE)
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether this tile can serve a launch: Gluon present, an SM90 device, a cache in q's 16-bit
+    dtype whose pages hold whole kv tiles and flatten to TMA-addressable [rows, 576] rows."""
+    if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    num_pages, page_size, _ = kv_cache.shape
+    return (kv_cache.dtype == q.dtype and page_size % BLOCK_N == 0
+            and kv_cache.stride(0) == page_size * kv_cache.stride(1)
+            and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
+            and kv_cache.data_ptr() % 16 == 0 and num_pages * page_size < 2**31)
+
+
+def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple:
+    """TMA descriptors of the latent ([rows, 512]) and rope ([rows, 64]) parts of a
+    [num_pages, page_size, 576] cache that ``supports`` accepts, as [BLOCK_N, .] boxes of its flat
+    row index page * page_size + offset; block_n kv rows a box."""
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    flat = kv_cache.view(rows, kv_cache.shape[2])
+    dtype = gl.bfloat16 if flat.dtype == torch.bfloat16 else gl.float16
+    nope_layout = gl.NVMMASharedLayout.get_default_for([block_n, D_NOPE], dtype)
+    pe_layout = gl.NVMMASharedLayout.get_default_for([block_n, D_PE], dtype)
+    nope = TensorDescriptor(flat, [rows, D_NOPE], [flat.stride(0), 1], [block_n, D_NOPE], nope_layout)
+    pe = TensorDescriptor(flat[:, D_NOPE:], [rows, D_PE], [flat.stride(0), 1], [block_n, D_PE], pe_layout)
+    return nope, pe
+
+
+def _jit(fn):
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+@_jit
+def _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage, page, start, pred,
+               PAGE_SIZE: gl.constexpr):
+    """TMA of the kv tile at sequence position ``start`` (in page ``page``) into ``stage``."""
+    row = page * PAGE_SIZE + start % PAGE_SIZE
+    bar = ready.index(stage)
+    mbarrier.expect(bar, kv_nope_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(kv_nope_desc, [row, 0], bar, kv_nope_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(kv_pe_desc, [row, 0], bar, kv_pe_smem.index(stage), pred=pred)
+
+
+@_jit
+def _mla_wgmma_kernel(
+    q_ptr, kv_nope_desc, kv_pe_desc, bt_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, o_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_bt, stride_mb, stride_mq,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    num_splits, mask_len, qk_scale, v_scale,
+    PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
+    MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
+):
+    """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel."""
+    gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
+    _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
+    gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
+    dtype: gl.constexpr = kv_nope_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, _BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, _D_NOPE // 2, 16])
+    load_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                 warps_per_cta=[_NUM_WARPS, 1], order=[1, 0])
+    q_nope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_NOPE], dtype)
+    q_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_PE], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _BLOCK_N], dtype)
+
+    pid_m = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    num_h_blocks: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    q_block = pid_m // num_h_blocks
+    h_block = pid_m % num_h_blocks
+    q_start = gl.load(cu_q_ptr + b)
+    q_len = gl.load(cu_q_ptr + b + 1) - q_start
+    kv_len = gl.load(seq_lens_ptr + b)
+
+    # Query tile -> shared memory, once.
+    rows_l = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
+    q_idx_l = q_block * BLOCK_Q + rows_l // BLOCK_H
+    head_l = h_block * BLOCK_H + rows_l % BLOCK_H
+    valid_l = (q_idx_l < q_len) & (head_l < NUM_HEADS)
+    q_row_ptr = q_ptr + (q_start + q_idx_l).to(gl.int64) * stride_qt + head_l * stride_qh
+    offs_nope = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, load_layout))
+    offs_pe = gl.arange(0, _D_PE, layout=gl.SliceLayout(0, load_layout))
+    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_layout)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_layout)
+    q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid_l[:, None], other=0.0))
+    q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid_l[:, None], other=0.0))
+
+    # This split's chunk, cut to what the rows can see (as in _mla_attention_kernel).
+    chunk = gl.maximum(gl.cdiv(gl.cdiv(kv_len, num_splits), _BLOCK_N) * _BLOCK_N, MIN_CHUNK)
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, kv_len)
+    first_q = q_block * BLOCK_Q
+    if HAS_MASK:
+        full_end = kv_len - mask_len
+    else:
+        last_q = gl.minimum(first_q + BLOCK_Q, q_len) - 1
+        hi = gl.minimum(hi, kv_len - q_len + last_q + 1)
+        full_end = kv_len - q_len + first_q + 1
+    hi = gl.where(first_q < q_len, hi, lo)
+    num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
+
+    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)
+    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _BLOCK_N], p_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()  # the query tile and the barriers, before any async-proxy access
+    gl.thread_barrier()
+
+    bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
+    # Tiles 0 .. NUM_STAGES - 2 -> their stages; the page of the next one is read ahead.
+    for i in gl.static_range(NUM_STAGES - 1):
+        page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
+        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
+                   i < num_tiles, PAGE_SIZE)
+    ahead: gl.constexpr = (NUM_STAGES - 1) * _BLOCK_N
+    next_page = gl.load(bt_row_ptr + (lo + ahead) // PAGE_SIZE, mask=NUM_STAGES - 1 < num_tiles, other=0)
+
+    rows_s = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    q_idx_s = q_block * BLOCK_Q + rows_s // BLOCK_H
+    q_pos = kv_len - q_len + q_idx_s
+    cols_s = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    mask_rows_ptr = mask_ptr + b.to(gl.int64) * stride_mb + q_idx_s.to(gl.int64) * stride_mq
+    mask_start = kv_len - mask_len
+    row_valid_s = (q_idx_s < q_len) & (h_block * BLOCK_H + rows_s % BLOCK_H < NUM_HEADS)
+
+    acc = warpgroup_mma_init(gl.zeros([_BLOCK_M, _D_NOPE], gl.float32, o_layout))  # carried as in flight
+    s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
+    l_acc = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)  # per-column partial row sums
+    m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    for j in range(num_tiles):
+        stage = j % NUM_STAGES
+        start = lo + j * _BLOCK_N
+        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+        kv_nope = kv_nope_smem.index(stage)
+        if start + _BLOCK_N > kv_len:
+            # Rows past the sequence hold whatever the page held (maybe NaN): P is 0 there, but
+            # 0 * NaN is not, so zero those V rows before PV reads them.
+            n_valid = kv_len - start
+            rows_z = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, load_layout))
+            for c in gl.static_range(_D_NOPE // 64):
+                part = kv_nope.slice(c * 64, 64, dim=1)
+                part.store(gl.where(rows_z[:, None] < n_valid, part.load(load_layout), 0.0).to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+        s = warpgroup_mma(q_nope_smem, kv_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe_smem, kv_pe_smem.index(stage).permute((1, 0)), s, is_async=True)
+        # One wait for this QK^T and the previous tile's PV (which ran first): waiting for PV alone
+        # (wait_group 2) makes ptxas serialise every wgmma of the loop (warning C7514).
+        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))
+        # Both warpgroups past their previous PV: the stage it read and P's buffer are free. The
+        # tile NUM_STAGES - 1 ahead goes there now; the page of the one after is read ahead.
+        gl.thread_barrier()
+        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, (j + NUM_STAGES - 1) % NUM_STAGES,
+                   next_page, start + ahead, j + NUM_STAGES - 1 < num_tiles, PAGE_SIZE)
+        next_page = gl.load(bt_row_ptr + (start + ahead + _BLOCK_N) // PAGE_SIZE, mask=j + NUM_STAGES < num_tiles,
+                            other=0)
+
+        qk = s * qk_scale  # log2 domain
+        if start + _BLOCK_N > gl.minimum(hi, full_end):
+            offs_n = start + cols_s
+            in_range = offs_n < kv_len
+            if HAS_MASK:
+                rel = offs_n - mask_start
+                in_region = rel >= 0
+                bits = gl.load(mask_rows_ptr[:, None] + rel[None, :],
+                               mask=row_valid_s[:, None] & (in_region & in_range)[None, :], other=0)
+                visible = in_range[None, :] & ((~in_region)[None, :] | (bits != 0))
+            else:
+                visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = gl.where(visible, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))  # the one exchange between the warpgroups
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet stays 0
+        p = gl.exp2(qk - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_acc = l_acc * alpha[:, None] + p
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        m_i = m_new
+
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_smem, kv_nope, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    l_i = gl.convert_layout(gl.sum(l_acc, 1), gl.SliceLayout(1, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    saw_any = l_i > 0
+    o = acc * (v_scale / gl.where(saw_any, l_i, 1.0))[:, None]
+    rows_o = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    q_idx_o = q_block * BLOCK_Q + rows_o // BLOCK_H
+    head_o = h_block * BLOCK_H + rows_o % BLOCK_H
+    valid_o = (q_idx_o < q_len) & (head_o < NUM_HEADS)
+    token_o = (q_start + q_idx_o).to(gl.int64)
+    offs_d = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, o_layout))
+    o_row_ptr = o_ptr + token_o * stride_ot + head_o * stride_oh
+    if DIRECT:
+        gl.store(o_row_ptr[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid_o[:, None])
+    else:
+        gl.store(o_row_ptr[:, None] + split * stride_os + offs_d[None, :], o, mask=valid_o[:, None])
+        lse = gl.where(saw_any, m_o + gl.log2(gl.where(saw_any, l_i, 1.0)), float("-inf"))
+        gl.store(lse_ptr + token_o * stride_lt + head_o * stride_lh + split, lse, mask=valid_o)

@@ -1,0 +1,88 @@
+"""CPU checks of the Gluon wgmma tile (attn/triton_mla_wgmma.py); its numerics are checked on the GPU
+by tests/test_triton_mla_kernel.py, which reaches it through mla_paged_attention on SM90.
+
+The kernel is compiled for sm_90a without a GPU (Triton's compiler and its bundled ptxas) in the
+configurations mla_paged_attention launches: it must fit one SM's shared memory and not spill.
+"""
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from attn import triton_mla_wgmma
+from attn.triton_mla_kernel import LaunchPlan, TileShape, launch_config, select_config
+
+H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
+
+needs_gluon = pytest.mark.skipif(triton_mla_wgmma.gluon is None, reason="needs Triton with Gluon")
+
+
+def _descriptor_type(block_shape: list[int]) -> str:
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16)
+    return f"tensordesc<bf16[{block_shape[0]}, {block_shape[1]}],{layout!r}>"
+
+
+def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, block_n: int, num_stages: int):
+    """Compile the kernel as _launch would launch it: (compiled kernel, its PTX, the ptxas path)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ints = ["stride_qt", "stride_qh", "stride_bt", "stride_mb", "stride_mq", "stride_ot", "stride_oh", "stride_os",
+            "stride_lt", "stride_lh", "num_splits", "mask_len"]
+    signature = dict(q_ptr="*bf16", kv_nope_desc=_descriptor_type([block_n, 512]),
+                     kv_pe_desc=_descriptor_type([block_n, 64]), bt_ptr="*i32", seq_lens_ptr="*i32",
+                     cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr="*bf16" if direct else "*fp32",
+                     lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32")
+    constants = dict(PAGE_SIZE=64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
+                     MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages)
+    signature.update({name: "constexpr" for name in constants})
+    source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=triton_mla_wgmma.NUM_WARPS))
+    ptxas = get_ptxas(90).path
+    return kernel, kernel.asm["ptx"], ptxas
+
+
+@needs_gluon
+@pytest.mark.parametrize("num_heads, q_len, has_mask, direct", [
+    (128, 1, False, False),  # decode, split-KV partials
+    (16, 4, True, True),  # tree verify, one split
+    (128, 4, False, True),  # causal verify
+])
+def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct):
+    tile = TileShape(min(num_heads, 64), 64 // min(num_heads, 64))
+    assert tile.rows == triton_mla_wgmma.BLOCK_M
+    config = select_config(tile)
+    kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages)
+    assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
+    (tmp_path / "k.ptx").write_text(ptx)
+    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
+                            capture_output=True, text=True, check=True).stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+    assert spills == [0] and registers and registers[0] <= 255, report
+
+
+def test_not_used_off_sm90_or_for_caches_it_cannot_address():
+    q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert not triton_mla_wgmma.supports(q, kv)  # a CPU tensor: no SM90 device
+    plan = LaunchPlan(TileShape(64, 1), select_config(TileShape(64, 1)), 1)
+    assert launch_config(plan, q, kv) == plan.config and not plan.config.wgmma
+
+
+@needs_gluon
+def test_kv_descriptors_address_latent_and_rope_rows_of_the_flat_cache():
+    kv = torch.zeros(3, 128, 576, dtype=torch.bfloat16)
+    nope, pe = triton_mla_wgmma.kv_descriptors(kv, 64)
+    assert nope.shape == [384, 512] and pe.shape == [384, 64]
+    assert nope.strides == [576, 1] and pe.strides == [576, 1]
+    assert nope.block_shape == [64, 512] and pe.block_shape == [64, 64]
+    assert nope.base.data_ptr() == kv.data_ptr()
+    assert pe.base.data_ptr() == kv.data_ptr() + 512 * kv.element_size()
