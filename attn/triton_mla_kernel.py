@@ -23,6 +23,7 @@ import torch
 
 from attn import triton_mla_wgmma
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
+from attn.triton_mla_chunks import chunk_bounds
 
 try:
     import triton
@@ -305,19 +306,8 @@ def _mla_attention_kernel(
         q_oth = q_nope  # unused
     q_pe = tl.load(q_row_ptr[:, None] + D_NOPE + offs_pe[None, :], mask=row_valid[:, None], other=0.0)
 
-    # This split's chunk of the request, cut to what the program's rows can see. Rows of one
-    # program all see kv [0, full_end) (no mask work there) and nothing at or past `hi`.
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, kv_len)
-    first_q = q_block * BLOCK_Q
-    if HAS_MASK:
-        full_end = kv_len - mask_len
-    else:
-        last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
-        hi = tl.minimum(hi, kv_len - q_len + last_q + 1)
-        full_end = kv_len - q_len + first_q + 1
-    hi = tl.where(first_q < q_len, hi, lo)  # no valid rows: no work
+    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
+                                    BLOCK_Q, BLOCK_N, MIN_CHUNK, HAS_MASK)
     mid = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
 
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from attn.triton_mla_chunks import chunk_bounds
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -142,18 +144,8 @@ def _mla_wgmma_kernel(
     q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid_l[:, None], other=0.0))
     q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid_l[:, None], other=0.0))
 
-    # This split's chunk, cut to what the rows can see (as in _mla_attention_kernel).
-    chunk = gl.maximum(gl.cdiv(gl.cdiv(kv_len, num_splits), _BLOCK_N) * _BLOCK_N, MIN_CHUNK)
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, kv_len)
-    first_q = q_block * BLOCK_Q
-    if HAS_MASK:
-        full_end = kv_len - mask_len
-    else:
-        last_q = gl.minimum(first_q + BLOCK_Q, q_len) - 1
-        hi = gl.minimum(hi, kv_len - q_len + last_q + 1)
-        full_end = kv_len - q_len + first_q + 1
-    hi = gl.where(first_q < q_len, hi, lo)
+    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
+                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
     num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
 
     kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)

@@ -1,0 +1,38 @@
+"""The kv rows one split-KV program attends, shared by the Triton and the Gluon MLA kernels."""
+
+from types import SimpleNamespace
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the signature below still has to be defined
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
+                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """(lo, hi, full_end) of query block q_block's program in split `split` of a request.
+
+    Splits cut the request's kv into chunks of a whole number of BLOCK_N tiles (at least MIN_CHUNK
+    rows), so tiles start at multiples of BLOCK_N. The program attends kv [lo, hi): its chunk, cut
+    to what its rows can see (empty when the block has no valid query). Every row sees all of
+    [0, full_end), so tiles ending there need no mask.
+    """
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    first_q = q_block * BLOCK_Q
+    if HAS_MASK:
+        full_end = kv_len - mask_len
+    else:
+        last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
+        hi = tl.minimum(hi, kv_len - q_len + last_q + 1)
+        full_end = kv_len - q_len + first_q + 1
+    hi = tl.where(first_q < q_len, hi, lo)  # no valid rows: no work
+    return lo, hi, full_end
