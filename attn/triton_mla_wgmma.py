@@ -9,7 +9,7 @@ here the layout is FlashInfer FA3-MLA's, spelled out:
 - the query tile ([64, 512] + [64, 64] bf16) sits in shared memory for the whole program;
 - kv tiles ([BLOCK_N, 512] + [BLOCK_N, 64] bf16) arrive by TMA into NUM_STAGES stages, the next
   tiles' copies in flight while the current one is computed. 64-row tiles in two stages (72 KB
-  each) measured fastest on an H100: 32-row tiles in three or four stages were 0-45% slower;
+  each) measured fastest on an H100: 32-row tiles in three or four stages were 2-46% slower;
 - the two warpgroups split every product along N: QK^T gives each half of the kv columns, PV each
   256 of the 512 output dims (a 128-register accumulator a thread), so the softmax's row max is
   the only exchange between them; the probabilities go to shared memory as PV's A operand.
@@ -110,6 +110,7 @@ def _mla_wgmma_kernel(
     gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
     gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
+    gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
     dtype: gl.constexpr = kv_nope_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, _BLOCK_N // 2, 16])
@@ -195,8 +196,9 @@ def _mla_wgmma_kernel(
             gl.thread_barrier()
         s = warpgroup_mma(q_nope_smem, kv_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_pe_smem, kv_pe_smem.index(stage).permute((1, 0)), s, is_async=True)
-        # One wait for this QK^T and the previous tile's PV (which ran first): waiting for PV alone
-        # (wait_group 2) makes ptxas serialise every wgmma of the loop (warning C7514).
+        # One wait for this QK^T and the previous tile's PV (which ran first). ptxas warns that it
+        # serialises wgmma around the accumulator rescale (C7515; C7514 with a separate wait for
+        # PV): both variants measured the same.
         acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))
         # Both warpgroups past their previous PV: the stage it read and P's buffer are free. The
         # tile NUM_STAGES - 1 ahead goes there now; the page of the one after is read ahead.
