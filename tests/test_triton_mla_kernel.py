@@ -2,7 +2,8 @@
 
 CPU: split planning, tile shapes and argument checks; the kernel itself under the Triton
 interpreter when Triton is installed. GPU (marked ``gpu``): the kernel against a plain-torch
-reference for every use case, CUDA-graph replay and the absence of host synchronisation.
+reference for every use case, CUDA-graph replay and the absence of host synchronisation. On SM90
+the 64-row cases (128 heads; 16 heads x q_len 4) with page 64 run the Gluon wgmma kernel.
 Tolerance: bf16 output vs an fp32 reference, atol = rtol = 2e-2.
 """
 
