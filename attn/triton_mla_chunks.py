@@ -1,4 +1,5 @@
-"""The kv rows one split-KV program attends, shared by the Triton and the Gluon MLA kernels."""
+"""What one program of the split-KV MLA kernels works on (its request, query/head block and kv
+rows), shared by the Triton and the Gluon kernels."""
 
 from types import SimpleNamespace
 
@@ -12,6 +13,16 @@ except ImportError:  # CPU-only install: the signature below still has to be def
 
 def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def program_work(pid_m, b, cu_q_ptr, seq_lens_ptr, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(q_block, h_block, q_start, q_len, kv_len) of row-block program pid_m on request b."""
+    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    kv_len = tl.load(seq_lens_ptr + b)
+    return pid_m // num_h_blocks, pid_m % num_h_blocks, q_start, q_len, kv_len
 
 
 @_jit

@@ -23,7 +23,7 @@ import torch
 
 from attn import triton_mla_wgmma
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
-from attn.triton_mla_chunks import chunk_bounds
+from attn.triton_mla_chunks import chunk_bounds, program_work
 
 try:
     import triton
@@ -278,13 +278,7 @@ def _mla_attention_kernel(
     v_part = tl.program_id(0) % V_SPLIT  # which D_NOPE // V_SPLIT output dims this program owns
     split = tl.program_id(1)
     b = tl.program_id(2)
-    num_h_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    q_block = pid_m // num_h_blocks
-    h_block = pid_m % num_h_blocks
-
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    kv_len = tl.load(seq_lens_ptr + b)
+    q_block, h_block, q_start, q_len, kv_len = program_work(pid_m, b, cu_q_ptr, seq_lens_ptr, NUM_HEADS, BLOCK_H)
 
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
     q_idx = q_block * BLOCK_Q + rows // BLOCK_H

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from attn.triton_mla_chunks import chunk_bounds
+from attn.triton_mla_chunks import chunk_bounds, program_work
 
 try:
     from triton.experimental import gluon
@@ -122,15 +122,10 @@ def _mla_wgmma_kernel(
     q_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_PE], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _BLOCK_N], dtype)
 
-    pid_m = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
-    num_h_blocks: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    q_block = pid_m // num_h_blocks
-    h_block = pid_m % num_h_blocks
-    q_start = gl.load(cu_q_ptr + b)
-    q_len = gl.load(cu_q_ptr + b + 1) - q_start
-    kv_len = gl.load(seq_lens_ptr + b)
+    q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
+                                                            NUM_HEADS, BLOCK_H)
 
     # Query tile -> shared memory, once.
     rows_l = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
