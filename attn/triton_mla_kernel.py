@@ -518,27 +518,24 @@ def _launch(
     mask_strides = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     # Scores in the log2 domain; the fp8 scale multiplies K (here) and V (in the output scale).
     qk_scale = sm_scale * kv_scale * _LOG2E
+    # Arguments both attention kernels take, after their pointers and the block-table stride.
+    scalars = (*mask_strides, *o_strides, *((0, 0) if direct else (lse.stride(0), lse.stride(1))),
+               num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale)
+    constants = dict(PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
+                     MIN_CHUNK=min_chunk, HAS_MASK=has_mask, DIRECT=direct)
+    row_blocks = num_row_blocks(num_heads, max_q_len, tile)
     if config.wgmma:
         nope_desc, pe_desc = triton_mla_wgmma.kv_descriptors(kv_cache, config.block_n)
-        triton_mla_wgmma._mla_wgmma_kernel[(num_row_blocks(num_heads, max_q_len, tile), num_splits, batch_size)](
+        triton_mla_wgmma._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
             q, nope_desc, pe_desc, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
-            q.stride(0), q.stride(1), block_tables.stride(0), *mask_strides,
-            *o_strides, lse.stride(0) if not direct else 0, lse.stride(1) if not direct else 0,
-            num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale,
-            PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
-            MIN_CHUNK=min_chunk, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=config.num_stages,
-            num_warps=triton_mla_wgmma.NUM_WARPS,
+            q.stride(0), q.stride(1), block_tables.stride(0), *scalars,
+            **constants, NUM_STAGES=config.num_stages, num_warps=triton_mla_wgmma.NUM_WARPS,
         )
     else:
-        grid = (num_row_blocks(num_heads, max_q_len, tile) * config.v_split, num_splits, batch_size)
-        _mla_attention_kernel[grid](
+        _mla_attention_kernel[(row_blocks * config.v_split, num_splits, batch_size)](
             q, kv_cache, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *mask_strides,
-            *o_strides, lse.stride(0) if not direct else 0, lse.stride(1) if not direct else 0,
-            num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale,
-            PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q, BLOCK_N=config.block_n,
-            MIN_CHUNK=min_chunk, D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM,
-            HAS_MASK=has_mask, DIRECT=direct, V_SPLIT=config.v_split,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *scalars,
+            **constants, BLOCK_N=config.block_n, D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM, V_SPLIT=config.v_split,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     if direct:
