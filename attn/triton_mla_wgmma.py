@@ -1,27 +1,26 @@
-"""The 64-row MLA attention tile for Hopper, written in Gluon: TMA-fed, wgmma, P through smem.
+"""The 64-row MLA attention tile for Hopper, written in Gluon: TMA-fed, warp-specialised wgmma.
 
 Same contract as ``_mla_attention_kernel`` in attn/triton_mla_kernel.py (which launches it), for
 the tiles where that kernel is compute-bound: 64 (query token x head) rows, a 16-bit cache whose
 pages hold whole 64-row kv tiles, on SM90. Triton's own lowering of that tile keeps the query in
-registers next to the [64, 512] fp32 accumulator and spills (255 registers, ~3 KB of spills);
-here the layout is FlashInfer FA3-MLA's, spelled out:
+registers next to the [64, 512] fp32 accumulator and spills; here the roles follow FlashInfer
+FA3-MLA's, spelled out:
 
 - the query tile ([64, 512] + [64, 64] bf16) sits in shared memory for the whole program;
-- kv tiles ([BLOCK_N, 512] + [BLOCK_N, 64] bf16) arrive by TMA into NUM_STAGES stages, the next
-  tiles' copies in flight while the current one is computed. 64-row tiles in two stages (72 KB
-  each) measured fastest on an H100: 32-row tiles in three or four stages were 2-46% slower;
-- the two warpgroups split every product along N: QK^T gives each half of the kv columns, PV each
-  256 of the 512 output dims (a 128-register accumulator a thread), so the softmax's row max is
-  the only exchange between them; the probabilities go to shared memory as PV's A operand.
+- kv tiles ([64, 512] + [64, 64] bf16) arrive by TMA into NUM_STAGES stages (two of 72 KB);
+- warpgroup 0 (``_softmax_partition``) computes the whole [64, 64] QK^T of a tile, the online
+  softmax, and PV for output dims 0-255; warpgroup 1 (``_pv_partition``) computes PV for dims
+  256-511. The [64, 256] fp32 accumulator a warpgroup holds is 128 registers a thread.
+- QK^T at N = 64 in one warpgroup reads the query tile once per kv tile. Splitting it along N
+  across both warpgroups (the previous version of this tile) read it twice, which made QK^T
+  bound by shared-memory reads (~1.5x its MMA cycles) and needed a row-max exchange.
+- P ([64, 64] bf16) overwrites the tile's rope rows, which QK^T has finished with, and is PV's A
+  operand in both warpgroups; the per-row rescale factor goes through a 64-float buffer.
+- mbarriers order the roles: ``ready`` (TMA landed), ``p_ready`` (P and the rescale factor of a
+  stage written), ``v_free`` (warpgroup 1 done with a stage, so its next tile may be loaded).
 
-Shared memory: 72 KB query + 2 x 72 KB kv + 8 KB P, one program per SM; 254 registers, no spills
+Shared memory: 72 KB query + 2 x 72 KB kv, one program per SM; no spills
 (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
-
-Where it stands (H100): 0.5-0.54 of the bf16 peak on compute-bound shapes against FA3's ~0.7.
-QK^T is bound by shared-memory reads: with N split, each warpgroup reads the whole query tile
-per kv tile at N = 32, ~1.5x the cycles of its MMAs. Splitting QK^T along K instead (each
-warpgroup half of the 576 dims at N = 64, partial scores summed through shared memory) needs
-warp-specialised partitions; that is the next step.
 """
 
 from __future__ import annotations
@@ -45,15 +44,14 @@ try:
 except ImportError:  # CPU-only install, or a Triton without Gluon: the Triton tile serves instead
     gluon = None
 
-BLOCK_M = 64  # rows of one program: one wgmma M per warpgroup
-BLOCK_N = 64  # kv rows per tile (at most); a page must hold whole tiles
-NUM_WARPS = 8  # two warpgroups
+BLOCK_M = 64  # rows of one program: one wgmma M
+BLOCK_N = 64  # kv rows per tile; a page must hold whole tiles
+NUM_WARPS = 4  # the softmax warpgroup; the PV warpgroup is a 4-warp worker on top
 D_NOPE = 512
 D_PE = 64
-# The same sizes as kernel-visible constants.
+# The same sizes as kernel-visible constants; each warpgroup accumulates half of the output dims.
 _constexpr = gl.constexpr if gluon is not None else int
-_BLOCK_M, _NUM_WARPS = _constexpr(BLOCK_M), _constexpr(NUM_WARPS)
-_D_NOPE, _D_PE = _constexpr(D_NOPE), _constexpr(D_PE)
+_BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _constexpr(D_PE), _constexpr(D_NOPE // 2)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -98,67 +96,52 @@ def _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage,
 
 
 @_jit
-def _mla_wgmma_kernel(
-    q_ptr, kv_nope_desc, kv_pe_desc, bt_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, o_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_bt, stride_mb, stride_mq,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-    num_splits, mask_len, qk_scale, v_scale,
-    PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
-    MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
-):
-    """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel."""
-    gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
+def _store_half(acc, l_i, m_i, half, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+                stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr, DIRECT: gl.constexpr,
+                WRITE_LSE: gl.constexpr):
+    """Store output dims [half * 256, half * 256 + 256) of the tile (acc [64, 256] fp32), normalised
+    by the row sums l_i; with WRITE_LSE (and split partials) also the rows' log2-sum-exp."""
+    o_layout: gl.constexpr = acc.type.layout
+    row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_i = gl.convert_layout(l_i, row_l)
+    m_o = gl.convert_layout(m_i, row_l)
+    saw_any = l_i > 0
+    o = acc * (v_scale / gl.where(saw_any, l_i, 1.0))[:, None]
+    rows_o = gl.arange(0, _BLOCK_M, layout=row_l)
+    q_idx_o = q_block * BLOCK_Q + rows_o // BLOCK_H
+    head_o = h_block * BLOCK_H + rows_o % BLOCK_H
+    valid_o = (q_idx_o < q_len) & (head_o < NUM_HEADS)
+    token_o = (q_start + q_idx_o).to(gl.int64)
+    offs_d = half * _D_HALF + gl.arange(0, _D_HALF, layout=gl.SliceLayout(0, o_layout))
+    o_row_ptr = o_ptr + token_o * stride_ot + head_o * stride_oh
+    if DIRECT:
+        gl.store(o_row_ptr[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid_o[:, None])
+    else:
+        gl.store(o_row_ptr[:, None] + split * stride_os + offs_d[None, :], o, mask=valid_o[:, None])
+        if WRITE_LSE:
+            lse = gl.where(saw_any, m_o + gl.log2(gl.where(saw_any, l_i, 1.0)), float("-inf"))
+            gl.store(lse_ptr + token_o * stride_lt + head_o * stride_lh + split, lse, mask=valid_o)
+
+
+@_jit
+def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, v_free, done, row_smem,
+                       kv_nope_desc, kv_pe_desc, bt_row_ptr, mask_ptr, b, stride_mb, stride_mq,
+                       q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
+                       o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                       PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
+                       BLOCK_Q: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr,
+                       NUM_STAGES: gl.constexpr):
+    """Warpgroup 0: per kv tile, QK^T, the masked online softmax, P into the stage, PV for output
+    dims 0-255; also issues the TMA of each next tile and writes the final row sums and maxima."""
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
-    gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
-    gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
     dtype: gl.constexpr = kv_nope_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, _BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, _D_NOPE // 2, 16])
-    load_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                 warps_per_cta=[_NUM_WARPS, 1], order=[1, 0])
-    q_nope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_NOPE], dtype)
-    q_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_PE], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _BLOCK_N], dtype)
-
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
-                                                            NUM_HEADS, BLOCK_H)
-
-    # Query tile -> shared memory, once.
-    rows_l = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
-    q_idx_l = q_block * BLOCK_Q + rows_l // BLOCK_H
-    head_l = h_block * BLOCK_H + rows_l % BLOCK_H
-    valid_l = (q_idx_l < q_len) & (head_l < NUM_HEADS)
-    q_row_ptr = q_ptr + (q_start + q_idx_l).to(gl.int64) * stride_qt + head_l * stride_qh
-    offs_nope = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, load_layout))
-    offs_pe = gl.arange(0, _D_PE, layout=gl.SliceLayout(0, load_layout))
-    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_layout)
-    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_layout)
-    q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid_l[:, None], other=0.0))
-    q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid_l[:, None], other=0.0))
-
-    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
-                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
-    num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
-
-    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)
-    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _BLOCK_N], p_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()  # the query tile and the barriers, before any async-proxy access
-    gl.thread_barrier()
-
-    bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
-    # Tiles 0 .. NUM_STAGES - 2 -> their stages; the page of the next one is read ahead.
-    for i in gl.static_range(NUM_STAGES - 1):
-        page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
-        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
-                   i < num_tiles, PAGE_SIZE)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, _BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, _D_HALF, 16])
+    zero_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                 warps_per_cta=[4, 1], order=[1, 0])
     ahead: gl.constexpr = (NUM_STAGES - 1) * _BLOCK_N
     next_page = gl.load(bt_row_ptr + (lo + ahead) // PAGE_SIZE, mask=NUM_STAGES - 1 < num_tiles, other=0)
 
@@ -170,34 +153,32 @@ def _mla_wgmma_kernel(
     mask_start = kv_len - mask_len
     row_valid_s = (q_idx_s < q_len) & (h_block * BLOCK_H + rows_s % BLOCK_H < NUM_HEADS)
 
-    acc = warpgroup_mma_init(gl.zeros([_BLOCK_M, _D_NOPE], gl.float32, o_layout))  # carried as in flight
+    acc = gl.zeros([_BLOCK_M, _D_HALF], gl.float32, o_layout)
     s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
-    l_acc = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)  # per-column partial row sums
+    l_acc = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    alpha_smem = row_smem.index(0)
     for j in range(num_tiles):
         stage = j % NUM_STAGES
         start = lo + j * _BLOCK_N
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         kv_nope = kv_nope_smem.index(stage)
+        kv_pe = kv_pe_smem.index(stage)
         if start + _BLOCK_N > kv_len:
             # Rows past the sequence hold whatever the page held (maybe NaN): P is 0 there, but
-            # 0 * NaN is not, so zero those V rows before PV reads them.
+            # 0 * NaN is not, so zero those V rows before either PV reads them.
             n_valid = kv_len - start
-            rows_z = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, load_layout))
+            rows_z = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, zero_layout))
             for c in gl.static_range(_D_NOPE // 64):
                 part = kv_nope.slice(c * 64, 64, dim=1)
-                part.store(gl.where(rows_z[:, None] < n_valid, part.load(load_layout), 0.0).to(dtype))
+                part.store(gl.where(rows_z[:, None] < n_valid, part.load(zero_layout), 0.0).to(dtype))
             fence_async_shared()
             gl.thread_barrier()
         s = warpgroup_mma(q_nope_smem, kv_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_pe_smem, kv_pe_smem.index(stage).permute((1, 0)), s, is_async=True)
-        # One wait for this QK^T and the previous tile's PV (which ran first). ptxas warns that it
-        # serialises wgmma around the accumulator rescale (C7515; C7514 with a separate wait for
-        # PV): both variants measured the same.
-        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))
-        # Both warpgroups past their previous PV: the stage it read and P's buffer are free. The
-        # tile NUM_STAGES - 1 ahead goes there now; the page of the one after is read ahead.
-        gl.thread_barrier()
+        s = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        # The stage of tile j - 1 takes tile j + NUM_STAGES - 1 once the other warpgroup's PV is off it.
+        mbarrier.wait(v_free.index((j + NUM_STAGES - 1) % NUM_STAGES), ((j - 1) // NUM_STAGES) & 1, pred=j > 0)
         _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, (j + NUM_STAGES - 1) % NUM_STAGES,
                    next_page, start + ahead, j + NUM_STAGES - 1 < num_tiles, PAGE_SIZE)
         next_page = gl.load(bt_row_ptr + (start + ahead + _BLOCK_N) // PAGE_SIZE, mask=j + NUM_STAGES < num_tiles,
@@ -216,36 +197,135 @@ def _mla_wgmma_kernel(
             else:
                 visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = gl.where(visible, qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))  # the one exchange between the warpgroups
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet stays 0
         p = gl.exp2(qk - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_acc = l_acc * alpha[:, None] + p
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         m_i = m_new
-
-        p_smem.store(p.to(dtype))
+        # P replaces the rope rows its QK^T has finished with; alpha is read by the other warpgroup
+        # before it frees this tile's stage, which this one waits for before the next alpha.
+        kv_pe.store(p.to(dtype))
+        alpha_smem.store(alpha)
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(p_smem, kv_nope, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
+        mbarrier.arrive(p_ready.index(stage), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(kv_pe, kv_nope.slice(0, _D_HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    l_i = gl.sum(l_acc, 1)
+    # The other warpgroup normalises its half with the same row sums and maxima.
+    mbarrier.wait(v_free.index((num_tiles + NUM_STAGES - 1) % NUM_STAGES), ((num_tiles - 1) // NUM_STAGES) & 1,
+                  pred=num_tiles > 0)
+    row_smem.index(0).store(l_i)
+    row_smem.index(1).store(m_i)
+    gl.thread_barrier()
+    mbarrier.arrive(done, count=1)
+    _store_half(acc, l_i, m_i, 0, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+                stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, True)
 
-    l_i = gl.convert_layout(gl.sum(l_acc, 1), gl.SliceLayout(1, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    saw_any = l_i > 0
-    o = acc * (v_scale / gl.where(saw_any, l_i, 1.0))[:, None]
-    rows_o = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    q_idx_o = q_block * BLOCK_Q + rows_o // BLOCK_H
-    head_o = h_block * BLOCK_H + rows_o % BLOCK_H
-    valid_o = (q_idx_o < q_len) & (head_o < NUM_HEADS)
-    token_o = (q_start + q_idx_o).to(gl.int64)
-    offs_d = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, o_layout))
-    o_row_ptr = o_ptr + token_o * stride_ot + head_o * stride_oh
-    if DIRECT:
-        gl.store(o_row_ptr[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid_o[:, None])
-    else:
-        gl.store(o_row_ptr[:, None] + split * stride_os + offs_d[None, :], o, mask=valid_o[:, None])
-        lse = gl.where(saw_any, m_o + gl.log2(gl.where(saw_any, l_i, 1.0)), float("-inf"))
-        gl.store(lse_ptr + token_o * stride_lt + head_o * stride_lh + split, lse, mask=valid_o)
+
+@_jit
+def _pv_partition(kv_nope_smem, kv_pe_smem, p_ready, v_free, done, row_smem, num_tiles,
+                  o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                  NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr, DIRECT: gl.constexpr,
+                  NUM_STAGES: gl.constexpr):
+    """Warpgroup 1: per kv tile, once P is written, rescale and accumulate PV for output dims
+    256-511; then normalise with the softmax warpgroup's row sums and store."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, _D_HALF, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([_BLOCK_M, _D_HALF], gl.float32, o_layout)
+    for j in range(num_tiles):
+        stage = j % NUM_STAGES
+        mbarrier.wait(p_ready.index(stage), (j // NUM_STAGES) & 1)
+        alpha = row_smem.index(0).load(row_l)
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(kv_pe_smem.index(stage), kv_nope_smem.index(stage).slice(_D_HALF, _D_HALF, dim=1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_free.index(stage), count=1)
+    mbarrier.wait(done, 0)
+    l_i = row_smem.index(0).load(row_l)
+    m_i = row_smem.index(1).load(row_l)
+    _store_half(acc, l_i, m_i, 1, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+                stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, False)
+
+
+@_jit
+def _mla_wgmma_kernel(
+    q_ptr, kv_nope_desc, kv_pe_desc, bt_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, o_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_bt, stride_mb, stride_mq,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    num_splits, mask_len, qk_scale, v_scale,
+    PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
+    MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
+):
+    """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel. Loads the query
+    tile and the first kv tiles, then forks into the two warpgroup roles."""
+    gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
+    _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
+    gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
+    gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
+    gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
+    dtype: gl.constexpr = kv_nope_desc.dtype
+    load_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                 warps_per_cta=[4, 1], order=[1, 0])
+    q_nope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_NOPE], dtype)
+    q_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_PE], dtype)
+
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
+                                                            NUM_HEADS, BLOCK_H)
+    rows_l = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
+    q_idx_l = q_block * BLOCK_Q + rows_l // BLOCK_H
+    head_l = h_block * BLOCK_H + rows_l % BLOCK_H
+    valid_l = (q_idx_l < q_len) & (head_l < NUM_HEADS)
+    q_row_ptr = q_ptr + (q_start + q_idx_l).to(gl.int64) * stride_qt + head_l * stride_qh
+    offs_nope = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, load_layout))
+    offs_pe = gl.arange(0, _D_PE, layout=gl.SliceLayout(0, load_layout))
+    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_layout)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_layout)
+    q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid_l[:, None], other=0.0))
+    q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid_l[:, None], other=0.0))
+
+    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
+                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
+    num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
+
+    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)
+    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
+    row_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(v_free.index(i), count=1)
+    mbarrier.init(done, count=1)
+    fence_async_shared()  # the query tile and the barriers, before any async-proxy access
+    gl.thread_barrier()
+
+    bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
+    for i in gl.static_range(NUM_STAGES - 1):
+        page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
+        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
+                   i < num_tiles, PAGE_SIZE)
+    gl.warp_specialize([
+        (_softmax_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, v_free, done,
+                              row_smem, kv_nope_desc, kv_pe_desc, bt_row_ptr, mask_ptr, b, stride_mb, stride_mq,
+                              q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len,
+                              qk_scale, o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt,
+                              stride_lh, v_scale, PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, HAS_MASK, DIRECT,
+                              NUM_STAGES)),
+        (_pv_partition, (kv_nope_smem, kv_pe_smem, p_ready, v_free, done, row_smem, num_tiles,
+                         o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+                         stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                         NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, NUM_STAGES)),
+    ], [4], [232])
