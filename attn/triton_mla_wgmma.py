@@ -10,14 +10,17 @@ FA3-MLA's, spelled out:
 - kv tiles ([64, 512] + [64, 64] bf16) arrive by TMA into NUM_STAGES stages (two of 72 KB);
 - warpgroup 0 (``_softmax_partition``) computes the whole [64, 64] QK^T of a tile, the online
   softmax, and PV for output dims 0-255; warpgroup 1 (``_pv_partition``) computes PV for dims
-  256-511. The [64, 256] fp32 accumulator a warpgroup holds is 128 registers a thread.
+  256-511 and issues each stage's next TMA as soon as both PVs are off it. The [64, 256] fp32
+  accumulator a warpgroup holds is 128 registers a thread.
 - QK^T at N = 64 in one warpgroup reads the query tile once per kv tile. Splitting it along N
   across both warpgroups (the previous version of this tile) read it twice, which made QK^T
   bound by shared-memory reads (~1.5x its MMA cycles) and needed a row-max exchange.
 - P ([64, 64] bf16) overwrites the tile's rope rows, which QK^T has finished with, and is PV's A
-  operand in both warpgroups; the per-row rescale factor goes through a 64-float buffer.
+  operand in both warpgroups; the per-row rescale factor goes through a 64-float slot per stage.
 - mbarriers order the roles: ``ready`` (TMA landed), ``p_ready`` (P and the rescale factor of a
-  stage written), ``v_free`` (warpgroup 1 done with a stage, so its next tile may be loaded).
+  stage written), ``a_free`` (warpgroup 0's PV done with a stage), ``done`` (final row sums).
+- Every wgmma is waited for where it is issued: one left in flight across other code made ptxas
+  serialise all of them (warning C7515), which cost ~25% at 128 heads.
 
 Shared memory: 72 KB query + 2 x 72 KB kv, one program per SM; no spills
 (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
@@ -37,7 +40,6 @@ try:
         mbarrier,
         tma,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -125,25 +127,22 @@ def _store_half(acc, l_i, m_i, half, o_ptr, lse_ptr, q_block, h_block, q_start, 
 
 
 @_jit
-def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, v_free, done, row_smem,
-                       kv_nope_desc, kv_pe_desc, bt_row_ptr, mask_ptr, b, stride_mb, stride_mq,
+def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done, row_smem,
+                       mask_ptr, b, stride_mb, stride_mq,
                        q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
                        o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
-                       PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
-                       BLOCK_Q: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr,
-                       NUM_STAGES: gl.constexpr):
-    """Warpgroup 0: per kv tile, QK^T, the masked online softmax, P into the stage, PV for output
-    dims 0-255; also issues the TMA of each next tile and writes the final row sums and maxima."""
-    _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
-    dtype: gl.constexpr = kv_nope_desc.dtype
+                       NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
+                       HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Warpgroup 0: per kv tile, QK^T, the masked online softmax, P and its rescale factor into the
+    stage, PV for output dims 0-255; then the final row sums and maxima for warpgroup 1."""
+    _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
+    dtype: gl.constexpr = kv_nope_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _D_HALF, 16])
     zero_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                  warps_per_cta=[4, 1], order=[1, 0])
-    ahead: gl.constexpr = (NUM_STAGES - 1) * _BLOCK_N
-    next_page = gl.load(bt_row_ptr + (lo + ahead) // PAGE_SIZE, mask=NUM_STAGES - 1 < num_tiles, other=0)
 
     rows_s = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     q_idx_s = q_block * BLOCK_Q + rows_s // BLOCK_H
@@ -157,7 +156,6 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
     s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
     l_acc = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    alpha_smem = row_smem.index(0)
     for j in range(num_tiles):
         stage = j % NUM_STAGES
         start = lo + j * _BLOCK_N
@@ -177,12 +175,6 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
         s = warpgroup_mma(q_nope_smem, kv_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        # The stage of tile j - 1 takes tile j + NUM_STAGES - 1 once the other warpgroup's PV is off it.
-        mbarrier.wait(v_free.index((j + NUM_STAGES - 1) % NUM_STAGES), ((j - 1) // NUM_STAGES) & 1, pred=j > 0)
-        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, (j + NUM_STAGES - 1) % NUM_STAGES,
-                   next_page, start + ahead, j + NUM_STAGES - 1 < num_tiles, PAGE_SIZE)
-        next_page = gl.load(bt_row_ptr + (start + ahead + _BLOCK_N) // PAGE_SIZE, mask=j + NUM_STAGES < num_tiles,
-                            other=0)
 
         qk = s * qk_scale  # log2 domain
         if start + _BLOCK_N > gl.minimum(hi, full_end):
@@ -203,22 +195,22 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
         alpha = gl.exp2(m_i - m_use)
         l_acc = l_acc * alpha[:, None] + p
         m_i = m_new
-        # P replaces the rope rows its QK^T has finished with; alpha is read by the other warpgroup
-        # before it frees this tile's stage, which this one waits for before the next alpha.
+        # P replaces the rope rows its QK^T has finished with; the rescale factor has a slot per
+        # stage, which the next tile of the stage reaches only after warpgroup 1 has read it.
         kv_pe.store(p.to(dtype))
-        alpha_smem.store(alpha)
+        row_smem.index(stage).store(alpha)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(p_ready.index(stage), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc = warpgroup_mma(kv_pe, kv_nope.slice(0, _D_HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(a_free.index(stage), count=1)
     l_i = gl.sum(l_acc, 1)
-    # The other warpgroup normalises its half with the same row sums and maxima.
-    mbarrier.wait(v_free.index((num_tiles + NUM_STAGES - 1) % NUM_STAGES), ((num_tiles - 1) // NUM_STAGES) & 1,
-                  pred=num_tiles > 0)
-    row_smem.index(0).store(l_i)
-    row_smem.index(1).store(m_i)
+    # Warpgroup 1 normalises its half with the same row sums and maxima.
+    row_smem.index(NUM_STAGES).store(l_i)
+    row_smem.index(NUM_STAGES + 1).store(m_i)
     gl.thread_barrier()
     mbarrier.arrive(done, count=1)
     _store_half(acc, l_i, m_i, 0, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
@@ -227,29 +219,37 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
 
 
 @_jit
-def _pv_partition(kv_nope_smem, kv_pe_smem, p_ready, v_free, done, row_smem, num_tiles,
-                  o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+def _pv_partition(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done, row_smem,
+                  bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
-                  NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr, DIRECT: gl.constexpr,
-                  NUM_STAGES: gl.constexpr):
+                  PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
+                  DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Warpgroup 1: per kv tile, once P is written, rescale and accumulate PV for output dims
-    256-511; then normalise with the softmax warpgroup's row sums and store."""
+    256-511, then load the tile NUM_STAGES ahead into the stage once warpgroup 0's PV is off it
+    too (it is otherwise idle, so the copy goes out as early as it can); then normalise with
+    warpgroup 0's row sums and store."""
+    _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _D_HALF, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([_BLOCK_M, _D_HALF], gl.float32, o_layout)
     for j in range(num_tiles):
         stage = j % NUM_STAGES
+        refill = j + NUM_STAGES < num_tiles
+        page = gl.load(bt_row_ptr + (lo + (j + NUM_STAGES) * _BLOCK_N) // PAGE_SIZE, mask=refill, other=0)
         mbarrier.wait(p_ready.index(stage), (j // NUM_STAGES) & 1)
-        alpha = row_smem.index(0).load(row_l)
+        alpha = row_smem.index(stage).load(row_l)
         acc = acc * alpha[:, None]
         acc = warpgroup_mma(kv_pe_smem.index(stage), kv_nope_smem.index(stage).slice(_D_HALF, _D_HALF, dim=1), acc,
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_free.index(stage), count=1)
+        gl.thread_barrier()
+        mbarrier.wait(a_free.index(stage), (j // NUM_STAGES) & 1, pred=refill)
+        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage, page,
+                   lo + (j + NUM_STAGES) * _BLOCK_N, refill, PAGE_SIZE)
     mbarrier.wait(done, 0)
-    l_i = row_smem.index(0).load(row_l)
-    m_i = row_smem.index(1).load(row_l)
+    l_i = row_smem.index(NUM_STAGES).load(row_l)
+    m_i = row_smem.index(NUM_STAGES + 1).load(row_l)
     _store_half(acc, l_i, m_i, 1, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, False)
@@ -281,6 +281,35 @@ def _mla_wgmma_kernel(
     b = gl.program_id(2)
     q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
                                                             NUM_HEADS, BLOCK_H)
+    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
+                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
+    num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
+
+    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_layout)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_layout)
+    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)
+    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
+    # Per-row floats: a rescale factor per stage, then the final row sums and maxima.
+    row_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES + 2, _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    a_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(a_free.index(i), count=1)
+    mbarrier.init(done, count=1)
+    fence_async_shared()  # the barriers, before the first TMA
+    gl.thread_barrier()
+
+    # Tiles 0 .. NUM_STAGES - 1 -> their stages, in flight while the query tile is loaded.
+    bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
+    for i in gl.static_range(NUM_STAGES):
+        page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
+        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
+                   i < num_tiles, PAGE_SIZE)
+
     rows_l = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
     q_idx_l = q_block * BLOCK_Q + rows_l // BLOCK_H
     head_l = h_block * BLOCK_H + rows_l % BLOCK_H
@@ -288,44 +317,19 @@ def _mla_wgmma_kernel(
     q_row_ptr = q_ptr + (q_start + q_idx_l).to(gl.int64) * stride_qt + head_l * stride_qh
     offs_nope = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, load_layout))
     offs_pe = gl.arange(0, _D_PE, layout=gl.SliceLayout(0, load_layout))
-    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_layout)
-    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_layout)
     q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid_l[:, None], other=0.0))
     q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid_l[:, None], other=0.0))
-
-    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
-                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
-    num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
-
-    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)
-    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
-    row_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(v_free.index(i), count=1)
-    mbarrier.init(done, count=1)
-    fence_async_shared()  # the query tile and the barriers, before any async-proxy access
+    fence_async_shared()  # the query tile, before wgmma reads it
     gl.thread_barrier()
-
-    bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
-    for i in gl.static_range(NUM_STAGES - 1):
-        page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
-        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
-                   i < num_tiles, PAGE_SIZE)
     gl.warp_specialize([
-        (_softmax_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, v_free, done,
-                              row_smem, kv_nope_desc, kv_pe_desc, bt_row_ptr, mask_ptr, b, stride_mb, stride_mq,
+        (_softmax_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
+                              row_smem, mask_ptr, b, stride_mb, stride_mq,
                               q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len,
                               qk_scale, o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt,
-                              stride_lh, v_scale, PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, HAS_MASK, DIRECT,
+                              stride_lh, v_scale, NUM_HEADS, BLOCK_H, BLOCK_Q, HAS_MASK, DIRECT,
                               NUM_STAGES)),
-        (_pv_partition, (kv_nope_smem, kv_pe_smem, p_ready, v_free, done, row_smem, num_tiles,
-                         o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
-                         stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
-                         NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, NUM_STAGES)),
+        (_pv_partition, (kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
+                         row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start, q_len,
+                         split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                         PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, NUM_STAGES)),
     ], [4], [232])
