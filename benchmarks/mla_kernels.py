@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from attn import triton_mla_wgmma
 from attn.triton_mla_kernel import KernelConfig, _launch, launch_config, mla_paged_attention, plan_launch, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
@@ -139,7 +140,8 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     ours_us = graph_time_us(ours_calls)
     roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
     plan = plan_launch(case.batch, case.heads, case.q_len, case.block_tables.shape[1] * PAGE_SIZE,
-                       torch.cuda.get_device_properties(0).multi_processor_count)
+                       torch.cuda.get_device_properties(0).multi_processor_count,
+                       wide_tiles=triton_mla_wgmma.supports(case.q, case.kv_pool[0]))
     row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
                tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
                kernel="wgmma" if launch_config(plan, case.q, case.kv_pool[0]).wgmma else "triton",

@@ -160,6 +160,28 @@ def test_plan_launch_halves_the_tile_of_latency_bound_launches():
     assert tile(1, 16, 1, 64, 132) == (16, 1)  # never below 16 rows
 
 
+def test_plan_launch_widens_narrow_tiles_for_the_wgmma_kernel_unless_latency_bound():
+    def tile(*sizes, wide_tiles=True) -> tuple[int, int]:
+        plan = plan_launch(*sizes, wide_tiles=wide_tiles)
+        assert plan.config == select_config(plan.tile)
+        return plan.tile.block_h, plan.tile.block_q
+
+    assert tile(8, 16, 1, 16384, 132) == (16, 4)  # 16 heads x q_len 1: three query slots masked
+    assert splits(8, 16, 1, 16384, 132) != plan_launch(8, 16, 1, 16384, 132, wide_tiles=True).num_splits
+    assert tile(128, 16, 1, 1024, 132) == (16, 4)
+    assert tile(1, 16, 1, 16384, 132) == (16, 4)  # 128 splits of 128 rows: enough programs
+    assert tile(4, 16, 2, 4096, 132) == (16, 4)
+    assert tile(8, 32, 1, 4096, 132) == (32, 2)
+    # Latency-bound (under a quarter wave even at 64 rows): the narrow tile, as without wgmma.
+    assert tile(1, 16, 1, 1024, 132) == (16, 1)
+    assert tile(1, 16, 1, 4096, 132) == (16, 1)
+    assert tile(1, 16, 2, 1024, 132) == tile(1, 16, 2, 1024, 132, wide_tiles=False)
+    # Without the wgmma kernel, or with 64-row tiles already: unchanged.
+    assert tile(8, 16, 1, 16384, 132, wide_tiles=False) == (16, 1)
+    for sizes in ((8, 128, 1, 4096, 132), (1, 128, 1, 1024, 132), (8, 16, 4, 4096, 132)):
+        assert plan_launch(*sizes, wide_tiles=True) == plan_launch(*sizes)
+
+
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
                                  dict(num_sms=0)])
 def test_plan_launch_rejects_bad_sizes(bad):
@@ -284,17 +306,20 @@ def test_draft_extend_variable_q_len(num_heads):
     check(args, q, num_splits=5)
 
 
-@pytest.mark.parametrize("num_heads, q_len", [(128, 1), (16, 4), (128, 4)])
+@pytest.mark.parametrize("num_heads, q_len", [(128, 1), (16, 4), (128, 4), (16, 1)])
 @gpu
 def test_nan_past_each_length_stays_out(num_heads, q_len):
     """Cache rows past each request's length (inside its last page) hold NaN: the 64-row wgmma
-    tile, whose TMA copies whole pages, must keep them out of P @ V."""
+    tile, whose TMA copies whole pages, must keep them out of P @ V. 16 heads x q_len 1 reaches
+    it widened (three of every four query slots empty)."""
     args, q = make_inputs([1, 70, 1000, 4095], [q_len] * 4, num_heads, 64, "cuda")
     kv, bt = args["kv_cache"], args["block_tables"].cpu()
     for b, n in enumerate(args["seq_lens"].tolist()):
         kv[bt[b, (n - 1) // 64], (n - 1) % 64 + 1:] = float("nan")
     if torch.cuda.get_device_capability()[0] == 9:
         assert triton_mla_wgmma.supports(args["q"], kv)
+        max_kv_len = bt.shape[1] * 64
+        assert plan_launch(4, num_heads, q_len, max_kv_len, 132, wide_tiles=True).tile.rows == 64
     check(args, q)
     check(args, q, num_splits=3)
 
