@@ -306,12 +306,12 @@ def test_draft_extend_variable_q_len(num_heads):
     check(args, q, num_splits=5)
 
 
-@pytest.mark.parametrize("num_heads, q_len", [(128, 1), (16, 4), (128, 4), (16, 1)])
+@pytest.mark.parametrize("num_heads, q_len", [(128, 1), (16, 4), (128, 4), (16, 1), (32, 1)])
 @gpu
 def test_nan_past_each_length_stays_out(num_heads, q_len):
     """Cache rows past each request's length (inside its last page) hold NaN: the 64-row wgmma
-    tile, whose TMA copies whole pages, must keep them out of P @ V. 16 heads x q_len 1 reaches
-    it widened (three of every four query slots empty)."""
+    tile, whose TMA copies whole pages, must keep them out of P @ V. 16 and 32 heads x q_len 1
+    reach it widened (three of every four, or every other, query slot empty)."""
     args, q = make_inputs([1, 70, 1000, 4095], [q_len] * 4, num_heads, 64, "cuda")
     kv, bt = args["kv_cache"], args["block_tables"].cpu()
     for b, n in enumerate(args["seq_lens"].tolist()):
