@@ -157,12 +157,13 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     return LaunchPlan(tile, config, num_splits)
 
 
-def launch_config(plan: LaunchPlan, q: torch.Tensor, kv_cache: torch.Tensor) -> KernelConfig:
-    """The plan's config, on the Gluon wgmma kernel where it serves the tile (64 rows, SM90, a
-    16-bit cache in q's dtype, pages of whole 64-row kv tiles). On an H100 its first version was
+def launch_config(plan: LaunchPlan, wgmma: bool) -> KernelConfig:
+    """The plan's config, on the Gluon wgmma kernel where it serves the tile: 64 rows, and
+    ``wgmma`` (triton_mla_wgmma.supports: SM90, a 16-bit cache in q's dtype, pages of whole
+    64-row kv tiles). On an H100 its first version was
     1.1-1.5x faster than the Triton tile there; warp specialisation gained up to 1.45x more at
     128 heads (0.98-1.06x at 16 heads x q_len 4)."""
-    if plan.tile.rows == triton_mla_wgmma.BLOCK_M and triton_mla_wgmma.supports(q, kv_cache):
+    if wgmma and plan.tile.rows == triton_mla_wgmma.BLOCK_M:
         return dataclasses.replace(plan.config, wgmma=True)
     return plan.config
 
@@ -491,10 +492,10 @@ def mla_paged_attention(
     if num_tokens == 0 or batch_size == 0:
         return out
     max_kv_len = min(block_tables.shape[1], kv_cache.shape[0]) * page_size
-    plan = plan_launch(batch_size, num_heads, max_q_len, max_kv_len, _num_sms(q.device),
-                       wide_tiles=triton_mla_wgmma.supports(q, kv_cache))
+    wgmma = triton_mla_wgmma.supports(q, kv_cache)
+    plan = plan_launch(batch_size, num_heads, max_q_len, max_kv_len, _num_sms(q.device), wide_tiles=wgmma)
     _launch(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, sm_scale, custom_mask, out,
-            kv_scale, num_splits or plan.num_splits, plan.tile, launch_config(plan, q, kv_cache),
+            kv_scale, num_splits or plan.num_splits, plan.tile, launch_config(plan, wgmma),
             min_split_len(plan.tile))
     return out
 

@@ -154,7 +154,7 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
 
     acc = gl.zeros([_BLOCK_M, _D_HALF], gl.float32, o_layout)
     s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
-    l_acc = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
+    l_acc = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)  # per-column partial row sums
     m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     for j in range(num_tiles):
         stage = j % NUM_STAGES

@@ -78,7 +78,10 @@ def test_not_used_off_sm90_or_for_caches_it_cannot_address():
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
     assert not triton_mla_wgmma.supports(q, kv)  # a CPU tensor: no SM90 device
     plan = LaunchPlan(TileShape(64, 1), select_config(TileShape(64, 1)), 1)
-    assert launch_config(plan, q, kv) == plan.config and not plan.config.wgmma
+    assert launch_config(plan, triton_mla_wgmma.supports(q, kv)) == plan.config and not plan.config.wgmma
+    assert launch_config(plan, True).wgmma  # a 64-row tile on a device and cache it serves
+    narrow = LaunchPlan(TileShape(16, 1), select_config(TileShape(16, 1)), 1)
+    assert launch_config(narrow, True) == narrow.config  # the Triton kernel serves 16-row tiles
 
 
 @needs_gluon
