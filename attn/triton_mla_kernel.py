@@ -160,9 +160,9 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
 def launch_config(plan: LaunchPlan, wgmma: bool) -> KernelConfig:
     """The plan's config, on the Gluon wgmma kernel where it serves the tile: 64 rows, and
     ``wgmma`` (triton_mla_wgmma.supports: SM90, a 16-bit cache in q's dtype, pages of whole
-    64-row kv tiles). On an H100 its first version was
-    1.1-1.5x faster than the Triton tile there; warp specialisation gained up to 1.45x more at
-    128 heads (0.98-1.06x at 16 heads x q_len 4)."""
+    64-row kv tiles). On an H100 its first version was 1.1-1.5x faster than the Triton tile
+    there; warp specialisation gained up to 1.45x more at 128 heads (0.98-1.06x at 16 heads x
+    q_len 4)."""
     if wgmma and plan.tile.rows == triton_mla_wgmma.BLOCK_M:
         return dataclasses.replace(plan.config, wgmma=True)
     return plan.config
