@@ -357,11 +357,13 @@ def _mla_attention_kernel(
 def _mla_reduce_kernel(
     o_part_ptr, lse_ptr, out_ptr, cu_q_ptr, batch_size, num_splits,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    SPLITS_P2: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (tokens, heads, 512 / BLOCK_D): merge one row's split partials by their lse.
 
-    Tokens past cu_seqlens_q[B] belong to no request and are left untouched.
+    Streams SPLIT_BLOCK splits at a time with a running maximum (as the online softmax does), so
+    a block's lse and partial loads are independent and go out together: one memory round trip
+    per block, not two. Tokens past cu_seqlens_q[B] belong to no request and are left untouched.
     """
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -369,22 +371,26 @@ def _mla_reduce_kernel(
     if t < tl.load(cu_q_ptr + batch_size):
         t64 = t.to(tl.int64)
         lse_row_ptr = lse_ptr + t64 * stride_lt + h * stride_lh
-        all_splits = tl.arange(0, SPLITS_P2)
-        lse_all = tl.load(lse_row_ptr + all_splits, mask=all_splits < num_splits, other=float("-inf"))
-        m = tl.max(lse_all, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        denom = tl.sum(tl.math.exp2(lse_all - m), 0)
-
+        part_row_ptr = o_part_ptr + t64 * stride_pt + h * stride_ph
         offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
         offs_s = tl.arange(0, SPLIT_BLOCK)
-        part_row_ptr = o_part_ptr + t64 * stride_pt + h * stride_ph
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        denom = tl.full([], 0.0, dtype=tl.float32)
+        m = tl.full([], float("-inf"), dtype=tl.float32)
         for s0 in range(0, num_splits, SPLIT_BLOCK):
             s = s0 + offs_s
             lse = tl.load(lse_row_ptr + s, mask=s < num_splits, other=float("-inf"))
-            seen = lse > float("-inf")  # empty splits wrote no partial: never read it
-            part = tl.load(part_row_ptr + s[:, None] * stride_ps + offs_d[None, :], mask=seen[:, None], other=0.0)
-            acc += tl.sum(part * tl.math.exp2(lse - m)[:, None], 0)
+            part = tl.load(part_row_ptr + s[:, None] * stride_ps + offs_d[None, :], mask=(s < num_splits)[:, None],
+                           other=0.0)
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale = tl.math.exp2(m - m_use)
+            weight = tl.math.exp2(lse - m_use)
+            # An empty chunk (lse -inf) has no weight; where() keeps whatever its row holds (even NaN) out.
+            part = tl.where((lse > float("-inf"))[:, None], part, 0.0)
+            acc = acc * scale + tl.sum(part * weight[:, None], 0)
+            denom = denom * scale + tl.sum(weight, 0)
+            m = m_new
         o = acc / tl.where(denom > 0, denom, 1.0)
         tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
@@ -555,17 +561,29 @@ def _launch(
             **constants, BLOCK_N=config.block_n, D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM, V_SPLIT=config.v_split,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    if direct:
-        return
+    if not direct:
+        _merge_splits(o_part, lse, out, cu_seqlens_q, num_splits)
+
+
+def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  num_splits: int) -> None:
+    """out[t, h] = the lse-weighted mean of the first num_splits partials of row (t, h).
+
+    o_part: [T, H, >= num_splits, 512] fp32 partial outputs, each normalised over its own chunk.
+    lse: [T, H, >= num_splits] fp32 log2-sum-exp of each chunk's scores; -inf marks an empty chunk,
+        whose partial is never used (it may hold anything). A row of only empty chunks outputs 0.
+    out: [T, H, 512]; tokens t >= cu_seqlens_q[-1] are left untouched.
+    """
+    num_tokens, num_heads, _ = out.shape
     # Tiles of ~4096 partial values: all splits in one load up to 64 splits (narrower row slices
     # as splits grow, so more programs share the work); at most two loads beyond that.
     splits_p2 = _next_pow2(num_splits)
     block_d = max(64, min(KV_LORA_RANK, 4096 // splits_p2))
     split_block = min(splits_p2, 4096 // block_d)
     _mla_reduce_kernel[(num_tokens, num_heads, KV_LORA_RANK // block_d)](
-        o_part, lse, out, cu_seqlens_q, batch_size, num_splits,
+        o_part, lse, out, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        SPLITS_P2=splits_p2, SPLIT_BLOCK=split_block, BLOCK_D=block_d,
+        SPLIT_BLOCK=split_block, BLOCK_D=block_d,
         num_warps=4,
     )

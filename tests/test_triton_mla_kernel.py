@@ -254,6 +254,39 @@ def test_kernel_under_triton_interpreter():
     run_interpreted(_INTERPRETED)
 
 
+_INTERPRETED_MERGE = """
+import math
+
+import torch
+
+from attn.triton_mla_kernel import _merge_splits
+
+gen = torch.Generator().manual_seed(5)
+T, H, S = 4, 2, 100  # 100 splits: the reduce streams them in two blocks of 64
+part = torch.randn(T, H, S + 3, 512, generator=gen)[:, :, :S]
+lse = torch.randn(T, H, S, generator=gen) * 8
+empty = torch.rand(T, H, S, generator=gen) < 0.3
+empty[1, 0] = True  # a row whose every chunk is empty
+lse[empty] = float("-inf")
+part[empty] = float("nan")  # empty chunks write no partial: whatever is there must not leak
+cu = torch.tensor([0, 1, 3], dtype=torch.int32)  # token 3 belongs to no request
+out = torch.full((T, H, 512), 7.0)
+_merge_splits(part, lse, out, cu, S)
+weights = torch.softmax(lse * math.log(2), dim=-1).nan_to_num(0.0)  # lse is log2-sum-exp
+expected = torch.einsum("ths,thsd->thd", weights, part.nan_to_num(0.0))
+torch.testing.assert_close(out[:3], expected[:3], atol=1e-5, rtol=1e-5)
+assert (out[1, 0] == 0).all() and (out[3] == 7.0).all()
+print("ok")
+"""
+
+
+def test_split_merge_under_triton_interpreter():
+    """The reduce alone against a softmax over the chunks' lse: two split blocks (a running
+    maximum across them), NaN in empty chunks, an all-empty row, a token of no request."""
+    pytest.importorskip("triton")
+    run_interpreted(_INTERPRETED_MERGE)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -265,6 +298,14 @@ def test_decode(num_heads, page_size, num_splits):
     args, q = make_inputs([1, 700, 0, 129, 2048], [1] * 5, num_heads, page_size, "cuda")
     got = check(args, q, num_splits=num_splits)
     assert (got[2] == 0).all()  # seq_len 0 padding row
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@gpu
+def test_decode_with_more_splits_than_one_reduce_block(num_heads):
+    """MAX_SPLITS chunks: over 64 of them hold kv, so the reduce merges two blocks of splits."""
+    args, q = make_inputs([20000, 9000, 1], [1] * 3, num_heads, 64, "cuda")
+    check(args, q, num_splits=MAX_SPLITS)
 
 
 @pytest.mark.parametrize("num_heads", [16, 128])
