@@ -1,5 +1,6 @@
 """What one program of the split-KV MLA kernels works on (its request, query/head block and kv
-rows), shared by the Triton and the Gluon kernels."""
+rows) and which kv rows each of its query rows sees, shared by the Triton and the Gluon kernels
+(plain Triton helpers: the Gluon kernel calls them on tensors that carry its layouts)."""
 
 from types import SimpleNamespace
 
@@ -47,3 +48,24 @@ def chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
         full_end = kv_len - q_len + first_q + 1
     hi = tl.where(first_q < q_len, hi, lo)  # no valid rows: no work
     return lo, hi, full_end
+
+
+@_jit
+def visible_kv(offs_n, kv_len, q_pos, mask_rows_ptr, mask_start, row_valid, HAS_MASK: tl.constexpr):
+    """[rows, BLOCK_N] bool: which of the kv positions ``offs_n`` [BLOCK_N] each query row sees.
+
+    Positions from kv_len on are never visible. Causal (no mask): a row sees up to its own kv
+    position ``q_pos`` [rows]. With a mask: positions before ``mask_start`` are visible, and position
+    mask_start + j iff byte j of the row's mask row (``mask_rows_ptr`` [rows]) is set; the mask is
+    read only for valid rows (``row_valid`` [rows]) and in-range positions.
+    """
+    in_range = offs_n < kv_len
+    if HAS_MASK:
+        rel = offs_n - mask_start
+        in_region = rel >= 0
+        bits = tl.load(mask_rows_ptr[:, None] + rel[None, :],
+                       mask=row_valid[:, None] & (in_region & in_range)[None, :], other=0)
+        visible = in_range[None, :] & ((~in_region)[None, :] | (bits != 0))
+    else:
+        visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    return visible

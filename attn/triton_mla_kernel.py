@@ -23,7 +23,7 @@ import torch
 
 from attn import triton_mla_wgmma
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
-from attn.triton_mla_chunks import chunk_bounds, program_work
+from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
 
 try:
     import triton
@@ -244,17 +244,7 @@ def _attend_tile(
     qk = tl.dot(q_pe, tl.trans(k_pe), qk)
     qk = qk * qk_scale  # log2 domain
     if MASKED:
-        if HAS_MASK:
-            rel = offs_n - mask_start
-            in_region = rel >= 0
-            bits = tl.load(
-                mask_rows_ptr[:, None] + rel[None, :],
-                mask=row_valid[:, None] & (in_region & in_range)[None, :],
-                other=0,
-            )
-            visible = in_range[None, :] & ((~in_region)[None, :] | (bits != 0))
-        else:
-            visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = visible_kv(offs_n, kv_len, q_pos, mask_rows_ptr, mask_start, row_valid, HAS_MASK)
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet stays 0

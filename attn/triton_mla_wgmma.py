@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from attn.triton_mla_chunks import chunk_bounds, program_work
+from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
 
 try:
     from triton.experimental import gluon
@@ -178,16 +178,7 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
 
         qk = s * qk_scale  # log2 domain
         if start + _BLOCK_N > gl.minimum(hi, full_end):
-            offs_n = start + cols_s
-            in_range = offs_n < kv_len
-            if HAS_MASK:
-                rel = offs_n - mask_start
-                in_region = rel >= 0
-                bits = gl.load(mask_rows_ptr[:, None] + rel[None, :],
-                               mask=row_valid_s[:, None] & (in_region & in_range)[None, :], other=0)
-                visible = in_range[None, :] & ((~in_region)[None, :] | (bits != 0))
-            else:
-                visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            visible = visible_kv(start + cols_s, kv_len, q_pos, mask_rows_ptr, mask_start, row_valid_s, HAS_MASK)
             qk = gl.where(visible, qk, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet stays 0
