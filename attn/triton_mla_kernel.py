@@ -500,19 +500,25 @@ def mla_paged_attention(
     if triton is None:
         raise RuntimeError("mla_paged_attention needs Triton, which is not installed")
     num_tokens, num_heads, _ = q.shape
-    batch_size = block_tables.shape[0]
-    page_size = kv_cache.shape[1]
     if out is None:
         out = q.new_empty(num_tokens, num_heads, KV_LORA_RANK)
-    if num_tokens == 0 or batch_size == 0:
+    if num_tokens == 0 or block_tables.shape[0] == 0:
         return out
-    max_kv_len = min(block_tables.shape[1], kv_cache.shape[0]) * page_size
-    wgmma = triton_mla_wgmma.supports(q, kv_cache)
-    plan = plan_launch(batch_size, num_heads, max_q_len, max_kv_len, _num_sms(q.device), wide_tiles=wgmma)
+    plan, config = plan_for(q, kv_cache, block_tables, max_q_len)
     _launch(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, sm_scale, custom_mask, out,
-            kv_scale, num_splits or plan.num_splits, plan.tile, launch_config(plan, wgmma),
-            min_split_len(plan.tile))
+            kv_scale, num_splits or plan.num_splits, plan.tile, config, min_split_len(plan.tile))
     return out
+
+
+def plan_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+             max_q_len: int) -> tuple[LaunchPlan, KernelConfig]:
+    """The plan and kernel config mla_paged_attention launches with for these (checked) inputs:
+    the longest sequence the block table and the cache can hold, the wgmma kernel where it
+    serves (triton_mla_wgmma.supports, asked once)."""
+    max_kv_len = min(block_tables.shape[1], kv_cache.shape[0]) * kv_cache.shape[1]
+    wgmma = triton_mla_wgmma.supports(q, kv_cache)
+    plan = plan_launch(block_tables.shape[0], q.shape[1], max_q_len, max_kv_len, _num_sms(q.device), wide_tiles=wgmma)
+    return plan, launch_config(plan, wgmma)
 
 
 def _launch(

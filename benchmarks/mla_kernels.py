@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from attn import triton_mla_wgmma
-from attn.triton_mla_kernel import KernelConfig, _launch, launch_config, mla_paged_attention, plan_launch, tile_shape
+from attn.triton_mla_kernel import KernelConfig, _launch, mla_paged_attention, plan_for, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64
@@ -139,12 +138,10 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     ours = case.out.clone()
     ours_us = graph_time_us(ours_calls)
     roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
-    wgmma = triton_mla_wgmma.supports(case.q, case.kv_pool[0])
-    plan = plan_launch(case.batch, case.heads, case.q_len, case.block_tables.shape[1] * PAGE_SIZE,
-                       torch.cuda.get_device_properties(0).multi_processor_count, wide_tiles=wgmma)
+    plan, config = plan_for(case.q, case.kv_pool[0], case.block_tables, case.q_len)
     row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
                tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
-               kernel="wgmma" if launch_config(plan, wgmma).wgmma else "triton",
+               kernel="wgmma" if config.wgmma else "triton",
                triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
                frac_roofline=roof_us / ours_us, fa3_us=float("nan"), fa3_frac=float("nan"),
                speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))

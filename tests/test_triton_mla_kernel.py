@@ -10,12 +10,13 @@ Tolerance: bf16 output vs an fp32 reference, atol = rtol = 2e-2.
 import pytest
 import torch
 
-from attn import triton_mla_wgmma
+from attn import triton_mla_kernel, triton_mla_wgmma
 from attn.triton_mla_kernel import (
     MAX_SPLITS,
     min_split_len,
     mla_paged_attention,
     num_row_blocks,
+    plan_for,
     plan_launch,
     select_config,
     tile_shape,
@@ -193,6 +194,17 @@ def test_plan_launch_aims_at_half_a_wave_when_a_wgmma_tile_is_all_of_a_requests_
     # A quarter of the rows real (widened q_len 1), or two row blocks a request (128 heads): a whole wave.
     assert plan_launch(8, 16, 1, 16384, 132, wide_tiles=True).num_splits == 16
     assert plan_launch(8, 128, 1, 4096, 132, wide_tiles=True).num_splits == 8
+
+
+def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
+    """mla_paged_attention's plan: the longest sequence is the shorter of the block table's width and
+    the cache (in pages) times the page size (it caps the splits here); off SM90 no wgmma kernel."""
+    monkeypatch.setattr(triton_mla_kernel, "_num_sms", lambda device: 132)
+    q = torch.zeros(12, 16, D, dtype=torch.bfloat16)
+    kv = torch.zeros(40, 64, D, dtype=torch.bfloat16)
+    for width, pages, splits in ((64, 40, 20), (16, 16, 16)):
+        plan, config = plan_for(q, kv, torch.zeros(3, width, dtype=torch.int32), 4)
+        assert plan == plan_launch(3, 16, 4, pages * 64, 132) and plan.num_splits == splits and not config.wgmma
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
