@@ -34,7 +34,7 @@ except ImportError:  # CPU-only install: the kernel signatures below still have 
 
 MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
 MAX_SPLITS = 128  # bounds the workspace and the reduce
-_SHORT_CHUNK = 512  # kv rows (8 wgmma kv tiles): a shorter chunk's program is mostly fixed cost
+_SHORT_CHUNK = 256  # kv rows (4 wgmma kv tiles): a shorter chunk's program is mostly fixed cost
 _LOG2E = 1.4426950408889634
 
 
@@ -126,15 +126,17 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     page size), and at most MAX_SPLITS. Per request the kernel cuts its own length into this
     many chunks, so short requests just leave some splits empty.
 
-    On the wgmma kernel, a launch whose 64-row tile is all of a request's rows, every one a real
-    query (16 heads x q_len 4), aims at half a wave when a whole wave would cut even the longest
-    sequence into chunks of at most _SHORT_CHUNK rows: each kv tile is read by one program per
-    split, and such short programs are dominated by their fixed costs, the 128 KB fp32 partial
-    output each writes and the merge reads among them (H100, 16 heads x q_len 4: 8 x 4k
-    35.5 -> 30.2 us, 32 x 1k 35.0 -> 31.0, 1 x 16k 26.4 -> 22.5). Longer chunks gain little or
-    lose (8 x 16k 75.5 -> 74.1, 32 x 16k 223.8 -> 236.0); widened tiles (a quarter of the rows
-    real) and several row blocks a request (128 heads) keep the whole wave (8 x 16k x 16 heads x
-    q_len 1: 62.9 us against 67.3; 8 x 4k x 128 heads: 35.0 against 39.6).
+    On the wgmma kernel, a launch whose 64-row tiles hold only real queries (heads x q_len >= 64),
+    at most two of them a request, aims at half a wave when a whole wave would cut even the
+    longest sequence into chunks of at most _SHORT_CHUNK rows: such a program is dominated by its
+    fixed costs, the 128 KB fp32 partial output it writes and the merge reads among them (H100,
+    16 heads x q_len 4: 8 x 4k 35.5 -> 30.2 us, 32 x 1k 35.0 -> 31.0, 1 x 16k 26.4 -> 22.5;
+    128 heads x q_len 1: 8 x 1k 20.7 -> 18.3, 1 x 16k 29.9 -> 27.1). Longer chunks keep the
+    whole wave (128 heads, 512-row chunks: 8 x 4k 34.9 us against 39.6 at half; 16 heads x q_len 4,
+    1024 rows: 8 x 16k 75.5 -> 74.1, 32 x 16k 223.8 -> 236.0), and so do widened tiles (a quarter
+    of the rows real: 8 x 16k x 16 heads x q_len 1 62.9 us against 67.3) and requests of more
+    row blocks, whose programs share each kv tile through L2 and are bound by compute (128 heads
+    x q_len 4, 8 row blocks: 1 x 4k 23.6 us against 24.6).
     """
     for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
                         ("num_sms", num_sms)):
@@ -161,8 +163,8 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
         config, slots, per_split, cap = waves(tile)
     num_splits = _whole_wave_splits(slots, per_split, cap)
-    if (wide_tiles and tile.rows == MAX_ROWS and num_heads * max_q_len == MAX_ROWS
-            and max_kv_len <= num_splits * _SHORT_CHUNK):
+    if (wide_tiles and tile.rows == MAX_ROWS and num_heads * max_q_len >= MAX_ROWS
+            and num_row_blocks(num_heads, max_q_len, tile) <= 2 and max_kv_len <= num_splits * _SHORT_CHUNK):
         num_splits = _whole_wave_splits(max(1, slots // 2), per_split, cap)
     return LaunchPlan(tile, config, num_splits)
 
@@ -366,42 +368,47 @@ def _mla_attention_kernel(
 def _mla_reduce_kernel(
     o_part_ptr, lse_ptr, out_ptr, cu_q_ptr, batch_size, num_splits,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (tokens, heads, 512 / BLOCK_D): merge one row's split partials by their lse.
 
     Streams SPLIT_BLOCK splits at a time with a running maximum (as the online softmax does), so
     a block's lse and partial loads are independent and go out together: one memory round trip
-    per block, not two. Tokens past cu_seqlens_q[B] belong to no request and are left untouched.
+    per block, not two. Tokens past cu_seqlens_q[B] belong to no request and are left untouched;
+    their rows are read all the same (they are allocated), so that the check is not one more
+    round trip ahead of the loads. PDL: launched as a programmatic dependent of the attention
+    kernel, it waits for that kernel's partials here, after the loads that do not need them.
     """
     t = tl.program_id(0)
     h = tl.program_id(1)
     d_block = tl.program_id(2)
-    if t < tl.load(cu_q_ptr + batch_size):
-        t64 = t.to(tl.int64)
-        lse_row_ptr = lse_ptr + t64 * stride_lt + h * stride_lh
-        part_row_ptr = o_part_ptr + t64 * stride_pt + h * stride_ph
-        offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
-        offs_s = tl.arange(0, SPLIT_BLOCK)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        denom = tl.full([], 0.0, dtype=tl.float32)
-        m = tl.full([], float("-inf"), dtype=tl.float32)
-        for s0 in range(0, num_splits, SPLIT_BLOCK):
-            s = s0 + offs_s
-            lse = tl.load(lse_row_ptr + s, mask=s < num_splits, other=float("-inf"))
-            part = tl.load(part_row_ptr + s[:, None] * stride_ps + offs_d[None, :], mask=(s < num_splits)[:, None],
-                           other=0.0)
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            scale = tl.math.exp2(m - m_use)
-            weight = tl.math.exp2(lse - m_use)
-            # An empty chunk (lse -inf) has no weight; where() keeps whatever its row holds (even NaN) out.
-            part = tl.where((lse > float("-inf"))[:, None], part, 0.0)
-            acc = acc * scale + tl.sum(part * weight[:, None], 0)
-            denom = denom * scale + tl.sum(weight, 0)
-            m = m_new
-        o = acc / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    is_query = t < tl.load(cu_q_ptr + batch_size)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    t64 = t.to(tl.int64)
+    lse_row_ptr = lse_ptr + t64 * stride_lt + h * stride_lh
+    part_row_ptr = o_part_ptr + t64 * stride_pt + h * stride_ph
+    offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, SPLIT_BLOCK)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    denom = tl.full([], 0.0, dtype=tl.float32)
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        s = s0 + offs_s
+        lse = tl.load(lse_row_ptr + s, mask=s < num_splits, other=float("-inf"))
+        part = tl.load(part_row_ptr + s[:, None] * stride_ps + offs_d[None, :], mask=(s < num_splits)[:, None],
+                       other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.math.exp2(m - m_use)
+        weight = tl.math.exp2(lse - m_use)
+        # An empty chunk (lse -inf) has no weight; where() keeps whatever its row holds (even NaN) out.
+        part = tl.where((lse > float("-inf"))[:, None], part, 0.0)
+        acc = acc * scale + tl.sum(part * weight[:, None], 0)
+        denom = denom * scale + tl.sum(weight, 0)
+        m = m_new
+    o = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=is_query)
 
 
 @functools.lru_cache(maxsize=None)
@@ -409,6 +416,12 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # the Triton interpreter
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: SM90 and later (not the Triton interpreter)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -595,10 +608,14 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     splits_p2 = _next_pow2(num_splits)
     block_d = max(64, min(KV_LORA_RANK, 4096 // splits_p2))
     split_block = min(splits_p2, 4096 // block_d)
+    # A programmatic dependent launch (SM90+) is set up as the attention kernel's programs exit,
+    # not after the kernel completes, and waits for the partials in the kernel (H100: 1 x 1k x 16
+    # heads 8.2 -> 7.6 us; the other split launches within noise).
+    pdl = _has_pdl(out.device)
     _mla_reduce_kernel[(num_tokens, num_heads, KV_LORA_RANK // block_d)](
         o_part, lse, out, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        SPLIT_BLOCK=split_block, BLOCK_D=block_d,
-        num_warps=4,
+        SPLIT_BLOCK=split_block, BLOCK_D=block_d, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )

@@ -183,17 +183,20 @@ def test_plan_launch_widens_narrow_tiles_for_the_wgmma_kernel_unless_latency_bou
         assert plan_launch(*sizes, wide_tiles=True) == plan_launch(*sizes)
 
 
-def test_plan_launch_aims_at_half_a_wave_when_a_wgmma_tile_is_all_of_a_requests_rows_and_chunks_are_short():
-    """16 heads x q_len 4 fill the 64-row tile with real queries, one program a request and split:
-    on the wgmma kernel half a wave (66 programs of 132 SMs) when a whole wave's chunks would be at
-    most 512 rows, otherwise a whole wave."""
-    for batch, seq_len, wgmma, whole in ((8, 4096, 8, 16), (32, 1024, 2, 4), (1, 16384, 66, 128),
-                                         (8, 16384, 16, 16), (32, 16384, 4, 4), (128, 1024, 1, 1)):
-        assert plan_launch(batch, 16, 4, seq_len, 132, wide_tiles=True).num_splits == wgmma
-        assert plan_launch(batch, 16, 4, seq_len, 132).num_splits == whole
-    # A quarter of the rows real (widened q_len 1), or two row blocks a request (128 heads): a whole wave.
+def test_plan_launch_aims_at_half_a_wave_when_wgmma_tiles_are_real_queries_and_chunks_are_short():
+    """64-row tiles of only real queries, at most two a request (16 heads x q_len 4, 128 heads x
+    q_len 1): on the wgmma kernel half a wave (66 programs of 132 SMs) when a whole wave's chunks
+    would be at most 256 rows, otherwise a whole wave."""
+    for batch, heads, q_len, seq_len, wgmma, whole in (
+            (8, 16, 4, 4096, 8, 16), (32, 16, 4, 1024, 2, 4), (1, 16, 4, 16384, 66, 128), (8, 16, 4, 16384, 16, 16),
+            (32, 16, 4, 16384, 4, 4), (128, 16, 4, 1024, 1, 1), (8, 128, 1, 1024, 4, 8), (1, 128, 1, 16384, 33, 66),
+            (8, 128, 1, 4096, 8, 8), (32, 128, 1, 1024, 2, 2)):
+        assert plan_launch(batch, heads, q_len, seq_len, 132, wide_tiles=True).num_splits == wgmma
+        assert plan_launch(batch, heads, q_len, seq_len, 132).num_splits == whole
+    # A quarter of the rows real (widened q_len 1), or eight row blocks a request (128 heads x
+    # q_len 4, 256-row chunks): a whole wave.
     assert plan_launch(8, 16, 1, 16384, 132, wide_tiles=True).num_splits == 16
-    assert plan_launch(8, 128, 1, 4096, 132, wide_tiles=True).num_splits == 8
+    assert plan_launch(1, 128, 4, 4096, 132, wide_tiles=True).num_splits == 16
 
 
 def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
