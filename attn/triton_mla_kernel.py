@@ -580,7 +580,8 @@ def _launch(
         triton_mla_wgmma._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
             q, nope_desc, pe_desc, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
             q.stride(0), q.stride(1), block_tables.stride(0), *scalars,
-            **constants, NUM_STAGES=config.num_stages, num_warps=triton_mla_wgmma.NUM_WARPS,
+            **constants, NUM_STAGES=config.num_stages, QUERY_FIRST=num_heads * max_q_len >= triton_mla_wgmma.BLOCK_M,
+            num_warps=triton_mla_wgmma.NUM_WARPS,
         )
     else:
         _mla_attention_kernel[(row_blocks * config.v_split, num_splits, batch_size)](

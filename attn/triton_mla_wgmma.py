@@ -98,6 +98,23 @@ def _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage,
 
 
 @_jit
+def _load_query(q_ptr, q_nope_smem, q_pe_smem, q_block, h_block, q_start, q_len, stride_qt, stride_qh,
+                NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """The program's query tile -> shared memory (rows of no query: 0)."""
+    load_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                 warps_per_cta=[4, 1], order=[1, 0])
+    rows = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
+    q_idx = q_block * BLOCK_Q + rows // BLOCK_H
+    head = h_block * BLOCK_H + rows % BLOCK_H
+    valid = (q_idx < q_len) & (head < NUM_HEADS)
+    q_row_ptr = q_ptr + (q_start + q_idx).to(gl.int64) * stride_qt + head * stride_qh
+    offs_nope = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, load_layout))
+    offs_pe = gl.arange(0, _D_PE, layout=gl.SliceLayout(0, load_layout))
+    q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid[:, None], other=0.0))
+    q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid[:, None], other=0.0))
+
+
+@_jit
 def _store_half(acc, l_i, m_i, half, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr, DIRECT: gl.constexpr,
@@ -254,17 +271,17 @@ def _mla_wgmma_kernel(
     num_splits, mask_len, qk_scale, v_scale,
     PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
     MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
+    QUERY_FIRST: gl.constexpr,
 ):
     """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel. Loads the query
-    tile and the first kv tiles, then forks into the two warpgroup roles."""
+    tile and the first kv tiles (QUERY_FIRST: in that order), then forks into the two warpgroup
+    roles."""
     gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
     gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
     gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
     dtype: gl.constexpr = kv_nope_desc.dtype
-    load_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                 warps_per_cta=[4, 1], order=[1, 0])
     q_nope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_NOPE], dtype)
     q_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_PE], dtype)
 
@@ -294,22 +311,21 @@ def _mla_wgmma_kernel(
     fence_async_shared()  # the barriers, before the first TMA
     gl.thread_barrier()
 
-    # Tiles 0 .. NUM_STAGES - 1 -> their stages, in flight while the query tile is loaded.
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
+    # The query tile goes out before the first kv tiles when all its rows are queries: in a full
+    # wave's first burst a tile requested earlier lands earlier, and the first QK^T needs both
+    # (H100, 16 heads x q_len 4: 128 x 1k 71.3 -> 68.8 us). A widened tile's few query rows land
+    # soon anyway, so there the kv tiles lead (1 x 16k x 16 heads x q_len 1: 15.5 against 16.0 us).
+    if QUERY_FIRST:
+        _load_query(q_ptr, q_nope_smem, q_pe_smem, q_block, h_block, q_start, q_len, stride_qt, stride_qh,
+                    NUM_HEADS, BLOCK_H, BLOCK_Q)
     for i in gl.static_range(NUM_STAGES):
         page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
         _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
                    i < num_tiles, PAGE_SIZE)
-
-    rows_l = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
-    q_idx_l = q_block * BLOCK_Q + rows_l // BLOCK_H
-    head_l = h_block * BLOCK_H + rows_l % BLOCK_H
-    valid_l = (q_idx_l < q_len) & (head_l < NUM_HEADS)
-    q_row_ptr = q_ptr + (q_start + q_idx_l).to(gl.int64) * stride_qt + head_l * stride_qh
-    offs_nope = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, load_layout))
-    offs_pe = gl.arange(0, _D_PE, layout=gl.SliceLayout(0, load_layout))
-    q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid_l[:, None], other=0.0))
-    q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid_l[:, None], other=0.0))
+    if not QUERY_FIRST:
+        _load_query(q_ptr, q_nope_smem, q_pe_smem, q_block, h_block, q_start, q_len, stride_qt, stride_qh,
+                    NUM_HEADS, BLOCK_H, BLOCK_Q)
     fence_async_shared()  # the query tile, before wgmma reads it
     gl.thread_barrier()
     gl.warp_specialize([

@@ -27,7 +27,8 @@ def _descriptor_type(block_shape: list[int]) -> str:
     return f"tensordesc<bf16[{block_shape[0]}, {block_shape[1]}],{layout!r}>"
 
 
-def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, block_n: int, num_stages: int):
+def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, block_n: int, num_stages: int,
+                 query_first: bool):
     """Compile the kernel as _launch would launch it: (compiled kernel, its PTX, the ptxas path)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -41,7 +42,8 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
                      cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr="*bf16" if direct else "*fp32",
                      lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32")
     constants = dict(PAGE_SIZE=64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
-                     MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages)
+                     MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages,
+                     QUERY_FIRST=query_first)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -55,12 +57,14 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     (128, 1, False, False),  # decode, split-KV partials
     (16, 4, True, True),  # tree verify, one split
     (128, 4, False, True),  # causal verify
+    (16, 1, False, False),  # widened decode: a quarter of the rows queries, the kv tiles go out first
 ])
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct):
     tile = TileShape(min(num_heads, 64), 64 // min(num_heads, 64))
     assert tile.rows == triton_mla_wgmma.BLOCK_M
     config = select_config(tile)
-    kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages)
+    kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
+                                      query_first=num_heads * q_len >= 64)
     assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
     (tmp_path / "k.ptx").write_text(ptx)
     report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
