@@ -86,6 +86,12 @@ def num_row_blocks(num_heads: int, max_q_len: int, tile: TileShape | None = None
     return math.ceil(num_heads / tile.block_h) * math.ceil(max_q_len / tile.block_q)
 
 
+def queries_fill_tiles(num_heads: int, max_q_len: int) -> bool:
+    """Whether a request's 64-row tiles hold only query rows (heads x q_len >= 64), not a narrower
+    tile widened with masked rows."""
+    return num_heads * max_q_len >= MAX_ROWS
+
+
 def min_split_len(tile: TileShape) -> int:
     """Shortest kv chunk worth a split: its fp32 partial output (rows x 2 KB) stays at or
     below the chunk's own kv bytes. A multiple of the tile's BLOCK_N."""
@@ -163,7 +169,7 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
         config, slots, per_split, cap = waves(tile)
     num_splits = _whole_wave_splits(slots, per_split, cap)
-    if (wide_tiles and tile.rows == MAX_ROWS and num_heads * max_q_len >= MAX_ROWS
+    if (wide_tiles and tile.rows == MAX_ROWS and queries_fill_tiles(num_heads, max_q_len)
             and num_row_blocks(num_heads, max_q_len, tile) <= 2 and max_kv_len <= num_splits * _SHORT_CHUNK):
         num_splits = _whole_wave_splits(max(1, slots // 2), per_split, cap)
     return LaunchPlan(tile, config, num_splits)
@@ -580,7 +586,7 @@ def _launch(
         triton_mla_wgmma._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
             q, nope_desc, pe_desc, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
             q.stride(0), q.stride(1), block_tables.stride(0), *scalars,
-            **constants, NUM_STAGES=config.num_stages, QUERY_FIRST=num_heads * max_q_len >= triton_mla_wgmma.BLOCK_M,
+            **constants, NUM_STAGES=config.num_stages, QUERY_FIRST=queries_fill_tiles(num_heads, max_q_len),
             num_warps=triton_mla_wgmma.NUM_WARPS,
         )
     else:

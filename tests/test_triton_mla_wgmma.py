@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attn import triton_mla_wgmma
-from attn.triton_mla_kernel import LaunchPlan, TileShape, launch_config, select_config
+from attn.triton_mla_kernel import LaunchPlan, TileShape, launch_config, queries_fill_tiles, select_config
 
 H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
 
@@ -64,7 +64,7 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_hea
     assert tile.rows == triton_mla_wgmma.BLOCK_M
     config = select_config(tile)
     kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
-                                      query_first=num_heads * q_len >= 64)
+                                      query_first=queries_fill_tiles(num_heads, q_len))
     assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
     (tmp_path / "k.ptx").write_text(ptx)
     report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
