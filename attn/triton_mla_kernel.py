@@ -8,15 +8,13 @@ through the block table, through them once. Long sequences are cut into split-KV
 function of host-side sizes only (batch, heads, max_q_len, splits), all per-request metadata is
 read on the GPU, so a call never synchronises with the host and can be captured in a CUDA graph.
 On SM90, 64-row tiles (compute-bound at 128 heads or q_len 4) run the Gluon twin of the attention
-kernel in attn/triton_mla_wgmma.py instead; the split planning and the reduce are shared.
+kernel in attn/triton_mla_wgmma.py instead; the split planning (attn/triton_mla_plan.py) and
+the reduce are shared.
 
 The module imports without Triton (CPU-only installs): planning and input checks still work.
 """
 
-import dataclasses
 import functools
-import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -24,6 +22,18 @@ import torch
 from attn import triton_mla_wgmma
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
+from attn.triton_mla_plan import (
+    MAX_SPLITS,
+    KernelConfig,
+    LaunchPlan,
+    TileShape,
+    launch_config,
+    min_split_len,
+    next_pow2,
+    num_row_blocks,
+    plan_launch,
+    queries_fill_tiles,
+)
 
 try:
     import triton
@@ -32,192 +42,11 @@ except ImportError:  # CPU-only install: the kernel signatures below still have 
     triton = None
     tl = SimpleNamespace(constexpr=None)
 
-MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
-MAX_SPLITS = 128  # bounds the workspace and the reduce
-_SHORT_CHUNK = 256  # kv rows (4 wgmma kv tiles): a shorter chunk's program is mostly fixed cost
 _LOG2E = 1.4426950408889634
 
 
 def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
-
-
-@dataclass(frozen=True)
-class TileShape:
-    """Rows of one program: ``block_q`` query tokens x ``block_h`` heads of one request."""
-
-    block_h: int
-    block_q: int
-
-    @property
-    def rows(self) -> int:
-        return self.block_h * self.block_q
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of the attention kernel for one tile shape."""
-
-    block_n: int  # kv rows per iteration
-    num_warps: int
-    num_stages: int
-    v_split: int = 1  # programs sharing one tile's 512 output dims (each computes all of QK^T)
-    wgmma: bool = False  # 64-row tiles: the Gluon kernel of attn/triton_mla_wgmma.py (SM90)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def tile_shape(num_heads: int, max_q_len: int) -> TileShape:
-    """Heads first (they share every query position), then query tokens, up to MAX_ROWS rows.
-
-    At least 16 rows, the smallest M of a tensor-core product; surplus rows are masked.
-    """
-    block_h = min(_next_pow2(num_heads), MAX_ROWS)
-    block_q = min(_next_pow2(max_q_len), MAX_ROWS // block_h)
-    block_q = max(block_q, 16 // block_h)
-    return TileShape(block_h=block_h, block_q=block_q)
-
-
-def num_row_blocks(num_heads: int, max_q_len: int, tile: TileShape | None = None) -> int:
-    """Programs per request and split: head blocks x query-token blocks (of the default tile)."""
-    tile = tile or tile_shape(num_heads, max_q_len)
-    return math.ceil(num_heads / tile.block_h) * math.ceil(max_q_len / tile.block_q)
-
-
-def queries_fill_tiles(num_heads: int, max_q_len: int) -> bool:
-    """Whether a request's 64-row tiles hold only query rows (heads x q_len >= 64), not a narrower
-    tile widened with masked rows."""
-    return num_heads * max_q_len >= MAX_ROWS
-
-
-def min_split_len(tile: TileShape) -> int:
-    """Shortest kv chunk worth a split: its fp32 partial output (rows x 2 KB) stays at or
-    below the chunk's own kv bytes. A multiple of the tile's BLOCK_N."""
-    return max(32, 2 * tile.rows)
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Tile, launch parameters and split-KV count of one attention launch."""
-
-    tile: TileShape
-    config: KernelConfig
-    num_splits: int
-
-
-def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int,
-                wide_tiles: bool = False) -> LaunchPlan:
-    """Tile and split-KV count for a launch, from static sizes only (CUDA-graph safe).
-
-    With ``wide_tiles`` (the launch runs 64-row tiles on the Gluon wgmma kernel: launch_config)
-    a narrower tile is first widened to 64 rows, more query tokens a program with the surplus
-    rows masked, unless even that tile's most splits would give less than a quarter wave (the
-    halving rule below). A wgmma tile a quarter full still streams kv faster than the narrow
-    Triton tiles (H100, 16 heads x q_len 1: 128 x 1k 67.4 -> 59.2 us, 8 x 16k 68.6 -> 62.5 us,
-    1 x 16k 19.4 -> 16.7 us; x q_len 2: 1.1-1.5x, e.g. 32 x 4k 89.6 -> 67.8 us), but in the
-    latency-bound launches the 16-row tile stays faster (1 x 1k x q_len 1: 8.4 us against 11.1).
-
-    The tile is tile_shape's, halved once (query tokens first, then heads) when even the most
-    splits its kv allows would give it less than a quarter wave of programs: such a launch (few
-    requests, short contexts) is latency-bound and gains more from twice the programs than it
-    loses to reading its kv once more per extra row block (H100: 1 x 1k x 128 heads 17.8 ->
-    12.5 us, 1 x 4k x q_len 4 x 16 heads 21.3 -> 15.4 us; at half a wave, 1 x 4k x 128 heads
-    lost: 22.4 -> 24.5 us).
-
-    Splits: enough to give every SM its resident programs (programs_per_sm), in whole waves (a
-    second, nearly empty wave costs almost as much as the first), but none shorter than
-    min_split_len of the longest possible sequence (``max_kv_len``, e.g. block-table width x
-    page size), and at most MAX_SPLITS. Per request the kernel cuts its own length into this
-    many chunks, so short requests just leave some splits empty.
-
-    On the wgmma kernel, a launch whose 64-row tiles hold only real queries (heads x q_len >= 64),
-    at most two of them a request, aims at half a wave when a whole wave would cut even the
-    longest sequence into chunks of at most _SHORT_CHUNK rows: such a program is dominated by its
-    fixed costs, the 128 KB fp32 partial output it writes and the merge reads among them (H100,
-    16 heads x q_len 4: 8 x 4k 35.5 -> 30.2 us, 32 x 1k 35.0 -> 31.0, 1 x 16k 26.4 -> 22.5;
-    128 heads x q_len 1: 8 x 1k 20.7 -> 18.3, 1 x 16k 29.9 -> 27.1). Longer chunks keep the
-    whole wave (128 heads, 512-row chunks: 8 x 4k 34.9 us against 39.6 at half; 16 heads x q_len 4,
-    1024 rows: 8 x 16k 75.5 -> 74.1, 32 x 16k 223.8 -> 236.0), and so do widened tiles (a quarter
-    of the rows real: 8 x 16k x 16 heads x q_len 1 62.9 us against 67.3) and requests of more
-    row blocks, whose programs share each kv tile through L2 and are bound by compute (128 heads
-    x q_len 4, 8 row blocks: 1 x 4k 23.6 us against 24.6).
-    """
-    for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
-                        ("num_sms", num_sms)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan_launch: {name} must be a positive int, got {value!r}")
-    if not isinstance(max_kv_len, int) or max_kv_len < 0:
-        raise ValueError(f"plan_launch: max_kv_len must be a non-negative int, got {max_kv_len!r}")
-
-    def waves(tile: TileShape) -> tuple[KernelConfig, int, int, int]:
-        """(config, slots, programs per split, most splits) of a tile."""
-        config = select_config(tile)
-        per_split = batch_size * num_row_blocks(num_heads, max_q_len, tile) * config.v_split
-        cap = max(1, min(math.ceil(max_kv_len / min_split_len(tile)), MAX_SPLITS))
-        return config, programs_per_sm(tile, config) * num_sms, per_split, cap
-
-    tile = tile_shape(num_heads, max_q_len)
-    if wide_tiles and tile.rows < MAX_ROWS:
-        wide = TileShape(tile.block_h, MAX_ROWS // tile.block_h)
-        _, slots, per_split, cap = waves(wide)
-        if 4 * per_split * cap >= slots:
-            tile = wide
-    config, slots, per_split, cap = waves(tile)
-    if tile.rows > 16 and 4 * per_split * cap < slots:
-        tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
-        config, slots, per_split, cap = waves(tile)
-    num_splits = _whole_wave_splits(slots, per_split, cap)
-    if (wide_tiles and tile.rows == MAX_ROWS and queries_fill_tiles(num_heads, max_q_len)
-            and num_row_blocks(num_heads, max_q_len, tile) <= 2 and max_kv_len <= num_splits * _SHORT_CHUNK):
-        num_splits = _whole_wave_splits(max(1, slots // 2), per_split, cap)
-    return LaunchPlan(tile, config, num_splits)
-
-
-def _whole_wave_splits(slots: int, per_split: int, cap: int) -> int:
-    """Splits (at most cap) whose programs, per_split each, fill ``slots`` in whole waves: a count
-    that overflows the slots by a few would run a nearly empty second wave, so of floor and ceil
-    of slots / per_split take the one with the least time per unit of work (waves / splits); ties
-    go to fewer splits."""
-    candidates = sorted({max(1, min(n, cap)) for n in (slots // per_split, math.ceil(slots / per_split))})
-    return min(candidates, key=lambda n: (math.ceil(n * per_split / slots) / n, n))
-
-
-def launch_config(plan: LaunchPlan, wgmma: bool) -> KernelConfig:
-    """The plan's config, on the Gluon wgmma kernel where it serves the tile: 64 rows, and
-    ``wgmma`` (triton_mla_wgmma.supports: SM90, a 16-bit cache in q's dtype, pages of whole
-    64-row kv tiles). On an H100 its first version was 1.1-1.5x faster than the Triton tile
-    there; warp specialisation gained up to 1.45x more at 128 heads (0.98-1.06x at 16 heads x
-    q_len 4)."""
-    if wgmma and plan.tile.rows == triton_mla_wgmma.BLOCK_M:
-        return dataclasses.replace(plan.config, wgmma=True)
-    return plan.config
-
-
-def programs_per_sm(tile: TileShape, config: KernelConfig) -> int:
-    """Programs resident on one SM: two 16/32-row programs; 64-row programs hold the whole
-    query tile ([64, 576] bf16) in shared memory, so two fit only with 16-row kv tiles."""
-    return 2 if tile.rows <= 32 or config.block_n <= 16 else 1
-
-
-def select_config(tile: TileShape) -> KernelConfig:
-    """Hopper launch parameters (from benchmarks/mla_kernels.py --sweep on an H100).
-
-    16 rows: mma.sync with 4 warps, 32-row kv tiles, double-buffered. 32 rows: 64-row kv tiles
-    and 8 warps. 64 rows: wgmma; the [64, 512] fp32 accumulator needs 8 warps (128 registers a
-    thread) and 64-row kv tiles use two ~72 KB shared-memory buffers.
-
-    On SM90 a 64-row tile over a 16-bit cache with 64-row-aligned pages runs the Gluon kernel
-    instead (launch_config; attn/triton_mla_wgmma.py), with the same block_n and num_stages.
-
-    v_split=2 (two programs per 64-row tile, each computing all of QK^T for 256 output dims;
-    num_warps=4, block_n=16 lets two of them share an SM) removes the spills but measured
-    10-40% slower at 128 heads than the duplicated-QK 8-warp tile, so it stays off by default.
-    """
-    if tile.rows <= 16:
-        return KernelConfig(block_n=32, num_warps=4, num_stages=2)
-    return KernelConfig(block_n=64, num_warps=8, num_stages=2)
 
 
 @_jit
@@ -612,7 +441,7 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     num_tokens, num_heads, _ = out.shape
     # Tiles of ~4096 partial values: all splits in one load up to 64 splits (narrower row slices
     # as splits grow, so more programs share the work); at most two loads beyond that.
-    splits_p2 = _next_pow2(num_splits)
+    splits_p2 = next_pow2(num_splits)
     block_d = max(64, min(KV_LORA_RANK, 4096 // splits_p2))
     split_block = min(splits_p2, 4096 // block_d)
     # A programmatic dependent launch (SM90+) is set up as the attention kernel's programs exit,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from attn.triton_mla_kernel import KernelConfig, _launch, mla_paged_attention, plan_for, tile_shape
+from attn.triton_mla_kernel import _launch, mla_paged_attention, plan_for
+from attn.triton_mla_plan import KernelConfig, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64

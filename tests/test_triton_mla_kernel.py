@@ -1,4 +1,5 @@
-"""Tests of the Triton paged MLA kernel (attn/triton_mla_kernel.py).
+"""Tests of the Triton paged MLA kernel (attn/triton_mla_kernel.py) and its launch planning
+(attn/triton_mla_plan.py).
 
 CPU: split planning, tile shapes and argument checks; the kernel itself under the Triton
 interpreter when Triton is installed. GPU (marked ``gpu``): the kernel against a plain-torch
@@ -11,16 +12,8 @@ import pytest
 import torch
 
 from attn import triton_mla_kernel, triton_mla_wgmma
-from attn.triton_mla_kernel import (
-    MAX_SPLITS,
-    min_split_len,
-    mla_paged_attention,
-    num_row_blocks,
-    plan_for,
-    plan_launch,
-    select_config,
-    tile_shape,
-)
+from attn.triton_mla_kernel import mla_paged_attention, plan_for
+from attn.triton_mla_plan import MAX_SPLITS, min_split_len, num_row_blocks, plan_launch, select_config, tile_shape
 from interpreted import run_interpreted
 
 D, DV = 576, 512

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attn import triton_mla_wgmma
-from attn.triton_mla_kernel import LaunchPlan, TileShape, launch_config, queries_fill_tiles, select_config
+from attn.triton_mla_plan import LaunchPlan, TileShape, launch_config, queries_fill_tiles, select_config
 
 H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
 
