@@ -386,6 +386,24 @@ def test_nan_past_each_length_stays_out(num_heads, q_len):
     check(args, q, num_splits=3)
 
 
+@pytest.mark.parametrize("num_heads, q_len", [(128, 4), (16, 4), (16, 1)])
+@gpu
+def test_many_programs_with_empty_splits_and_a_padded_query(num_heads, q_len):
+    """Several waves of programs (row blocks x splits x requests, 224-1792 of them), many on empty
+    splits of short requests or on one partial kv tile; causal and tree-masked; a query with
+    padded rows (strides that are not its shape's), which the wgmma kernel still serves on SM90."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [4, 64, 65, 3000, 5, 200, 129, 4097] * 4
+    args, q = make_inputs(lens, [q_len] * len(lens), num_heads, 64, "cuda", gen=gen)
+    padded = torch.zeros(args["q"].shape[0], num_heads, 640, dtype=args["q"].dtype, device="cuda")
+    padded[..., :D] = args["q"]
+    args["q"] = padded[..., :D]
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert triton_mla_wgmma.supports(args["q"], args["kv_cache"])
+    check(args, q, num_splits=7)
+    check(args, q, custom_mask=random_mask(len(lens), q_len, q_len, gen, "cuda"), num_splits=7)
+
+
 @gpu
 def test_short_prefill():
     args, q = make_inputs([300, 1200], [300, 77], 16, 64, "cuda")
