@@ -115,32 +115,53 @@ def _load_query(q_ptr, q_nope_smem, q_pe_smem, q_block, h_block, q_start, q_len,
 
 
 @_jit
-def _store_half(acc, l_i, m_i, half, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr, DIRECT: gl.constexpr,
                 WRITE_LSE: gl.constexpr):
     """Store output dims [half * 256, half * 256 + 256) of the tile (acc [64, 256] fp32), normalised
-    by the row sums l_i; with WRITE_LSE (and split partials) also the rows' log2-sum-exp."""
+    by the row sums l_i; with WRITE_LSE (and split partials) also the rows' log2-sum-exp.
+
+    DIRECT (16-bit output) goes through ``staging`` (shared memory the warpgroup is done with, in
+    _staging_layout) into rows a warp writes whole, 8 dims a thread: from the wgmma layout a warp
+    store writes 4-byte pieces of 8 rows, half-filling every sector it touches. fp32 partials
+    fill theirs from the wgmma layout."""
     o_layout: gl.constexpr = acc.type.layout
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_i = gl.convert_layout(l_i, row_l)
-    m_o = gl.convert_layout(m_i, row_l)
     saw_any = l_i > 0
     o = acc * (v_scale / gl.where(saw_any, l_i, 1.0))[:, None]
-    rows_o = gl.arange(0, _BLOCK_M, layout=row_l)
+    if DIRECT:
+        store_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+                                                      warps_per_cta=[4, 1], order=[1, 0])
+        staging.store(o.to(o_ptr.dtype.element_ty))
+        gl.thread_barrier()
+        o = staging.load(store_layout)
+    else:
+        store_layout: gl.constexpr = o_layout
+    rows_o = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, store_layout))
     q_idx_o = q_block * BLOCK_Q + rows_o // BLOCK_H
     head_o = h_block * BLOCK_H + rows_o % BLOCK_H
     valid_o = (q_idx_o < q_len) & (head_o < NUM_HEADS)
     token_o = (q_start + q_idx_o).to(gl.int64)
-    offs_d = half * _D_HALF + gl.arange(0, _D_HALF, layout=gl.SliceLayout(0, o_layout))
+    offs_d = half * _D_HALF + gl.arange(0, _D_HALF, layout=gl.SliceLayout(0, store_layout))
     o_row_ptr = o_ptr + token_o * stride_ot + head_o * stride_oh
     if DIRECT:
-        gl.store(o_row_ptr[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid_o[:, None])
+        gl.store(o_row_ptr[:, None] + offs_d[None, :], o, mask=valid_o[:, None])
     else:
         gl.store(o_row_ptr[:, None] + split * stride_os + offs_d[None, :], o, mask=valid_o[:, None])
         if WRITE_LSE:
+            m_o = gl.convert_layout(m_i, row_l)
             lse = gl.where(saw_any, m_o + gl.log2(gl.where(saw_any, l_i, 1.0)), float("-inf"))
             gl.store(lse_ptr + token_o * stride_lt + head_o * stride_lh + split, lse, mask=valid_o)
+
+
+@_jit
+def _staging(smem):
+    """A [64, 256] 16-bit view of at least 33 KB of shared memory, rows padded by 8 elements so
+    that a wgmma-layout store of 8 rows hits distinct banks."""
+    layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[_D_HALF, 8]], [_BLOCK_M, _D_HALF], [1, 0])
+    return smem._reinterpret(smem.dtype, [_BLOCK_M, _D_HALF], layout)
 
 
 @_jit
@@ -221,8 +242,9 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
     row_smem.index(NUM_STAGES + 1).store(m_i)
     gl.thread_barrier()
     mbarrier.arrive(done, count=1)
-    _store_half(acc, l_i, m_i, 0, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
-                stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+    # The query tile is done with: the staging of the stores.
+    _store_half(acc, l_i, m_i, 0, _staging(q_nope_smem), o_ptr, lse_ptr, q_block, h_block, q_start, q_len,
+                split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, True)
 
 
@@ -258,8 +280,9 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_r
     mbarrier.wait(done, 0)
     l_i = row_smem.index(NUM_STAGES).load(row_l)
     m_i = row_smem.index(NUM_STAGES + 1).load(row_l)
-    _store_half(acc, l_i, m_i, 1, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
-                stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+    # Warpgroup 0 is past its last PV: the kv stages are free for the staging of the stores.
+    _store_half(acc, l_i, m_i, 1, _staging(kv_nope_smem.index(0)), o_ptr, lse_ptr, q_block, h_block, q_start,
+                q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, False)
 
 
