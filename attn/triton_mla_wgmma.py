@@ -19,6 +19,10 @@ FA3-MLA's, spelled out:
   operand in both warpgroups; the per-row rescale factor goes through a 64-float slot per stage.
 - mbarriers order the roles: ``ready`` (TMA landed), ``p_ready`` (P and the rescale factor of a
   stage written), ``a_free`` (warpgroup 0's PV done with a stage), ``done`` (final row sums).
+- One-split (16-bit) outputs leave through shared memory a warpgroup is done with (warpgroup 0:
+  the query tile; warpgroup 1: a kv stage, once warpgroup 0 is past its last PV), as whole rows
+  a warp: stored from the wgmma layout they half-filled every sector (H100, 128 heads x q_len 4:
+  32 x 1k 84 -> 72 us).
 - Every wgmma is waited for where it is issued: one left in flight across other code made ptxas
   serialise all of them (warning C7515), which cost ~25% at 128 heads.
 
@@ -122,10 +126,10 @@ def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, 
     """Store output dims [half * 256, half * 256 + 256) of the tile (acc [64, 256] fp32), normalised
     by the row sums l_i; with WRITE_LSE (and split partials) also the rows' log2-sum-exp.
 
-    DIRECT (16-bit output) goes through ``staging`` (shared memory the warpgroup is done with, in
-    _staging_layout) into rows a warp writes whole, 8 dims a thread: from the wgmma layout a warp
-    store writes 4-byte pieces of 8 rows, half-filling every sector it touches. fp32 partials
-    fill theirs from the wgmma layout."""
+    DIRECT (16-bit output) goes through ``staging`` (a _staging view of shared memory the
+    warpgroup is done with) into rows a warp writes whole, 8 dims a thread: from the wgmma layout
+    a warp store writes 4-byte pieces of 8 rows, half-filling every sector it touches. fp32
+    partials fill theirs from the wgmma layout."""
     o_layout: gl.constexpr = acc.type.layout
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_i = gl.convert_layout(l_i, row_l)
