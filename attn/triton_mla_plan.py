@@ -168,6 +168,19 @@ def launch_config(plan: LaunchPlan, wgmma: bool) -> KernelConfig:
     return plan.config
 
 
+def narrow_partials(config: KernelConfig, num_heads: int, max_q_len: int) -> bool:
+    """Whether a split launch writes its partial outputs in the query's 16-bit dtype (else fp32).
+
+    A partial is normalised over its own chunk, a convex combination of V rows, so rounding it
+    costs about what rounding the output does, and it halves the bytes every program writes and
+    the merge reads (H100: 1 x 4k x 128 heads x q_len 4 22.8 -> 17.4 us, 8 x 1k x 128 heads x q_len 4
+    30.5 -> 25.0, 8 x 16k x 16 heads x q_len 4 73.4 -> 66.8). Not on a widened wgmma tile (rows
+    of no query): it writes few rows, and its 16-bit store goes through shared memory for the
+    whole tile, which cost more than it saved (1 x 16k x 16 heads x q_len 1: 15.4 -> 16.0 us).
+    """
+    return not config.wgmma or queries_fill_tiles(num_heads, max_q_len)
+
+
 def programs_per_sm(tile: TileShape, config: KernelConfig) -> int:
     """Programs resident on one SM: two 16/32-row programs; 64-row programs hold the whole
     query tile ([64, 576] bf16) in shared memory, so two fit only with 16-row kv tiles."""

@@ -19,10 +19,11 @@ FA3-MLA's, spelled out:
   operand in both warpgroups; the per-row rescale factor goes through a 64-float slot per stage.
 - mbarriers order the roles: ``ready`` (TMA landed), ``p_ready`` (P and the rescale factor of a
   stage written), ``a_free`` (warpgroup 0's PV done with a stage), ``done`` (final row sums).
-- One-split (16-bit) outputs leave through shared memory a warpgroup is done with (warpgroup 0:
-  the query tile; warpgroup 1: a kv stage, once warpgroup 0 is past its last PV), as whole rows
-  a warp: stored from the wgmma layout they half-filled every sector (H100, 128 heads x q_len 4:
-  32 x 1k 84 -> 72 us).
+- 16-bit stores (one-split outputs, and split partials where triton_mla_plan.narrow_partials
+  says so) leave through shared memory a warpgroup is done with (warpgroup 0: the query tile;
+  warpgroup 1: a kv stage, once warpgroup 0 is past its last PV), as whole rows a warp: stored
+  from the wgmma layout they half-filled every sector (H100, 128 heads x q_len 4: 32 x 1k 84 ->
+  72 us). fp32 partials are stored from the wgmma layout, which fills whole sectors.
 - Every wgmma is waited for where it is issued: one left in flight across other code made ptxas
   serialise all of them (warning C7515), which cost ~25% at 128 heads.
 
@@ -124,18 +125,19 @@ def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, 
                 NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr, DIRECT: gl.constexpr,
                 WRITE_LSE: gl.constexpr):
     """Store output dims [half * 256, half * 256 + 256) of the tile (acc [64, 256] fp32), normalised
-    by the row sums l_i; with WRITE_LSE (and split partials) also the rows' log2-sum-exp.
+    by the row sums l_i, in o_ptr's dtype; with WRITE_LSE (and split partials) also the rows'
+    log2-sum-exp.
 
-    DIRECT (16-bit output) goes through ``staging`` (a _staging view of shared memory the
-    warpgroup is done with) into rows a warp writes whole, 8 dims a thread: from the wgmma layout
-    a warp store writes 4-byte pieces of 8 rows, half-filling every sector it touches. fp32
-    partials fill theirs from the wgmma layout."""
+    16-bit values (the output, or 16-bit partials) go through ``staging`` (a _staging view of
+    shared memory the warpgroup is done with) into rows a warp writes whole, 8 dims a thread: from
+    the wgmma layout a warp store writes 4-byte pieces of 8 rows, half-filling every sector it
+    touches. fp32 partials fill theirs from the wgmma layout."""
     o_layout: gl.constexpr = acc.type.layout
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_i = gl.convert_layout(l_i, row_l)
     saw_any = l_i > 0
     o = acc * (v_scale / gl.where(saw_any, l_i, 1.0))[:, None]
-    if DIRECT:
+    if o_ptr.dtype.element_ty.primitive_bitwidth == 16:
         store_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
                                                       warps_per_cta=[4, 1], order=[1, 0])
         staging.store(o.to(o_ptr.dtype.element_ty))
@@ -157,6 +159,7 @@ def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, 
         if WRITE_LSE:
             m_o = gl.convert_layout(m_i, row_l)
             lse = gl.where(saw_any, m_o + gl.log2(gl.where(saw_any, l_i, 1.0)), float("-inf"))
+            lse = gl.convert_layout(lse, gl.SliceLayout(1, store_layout))
             gl.store(lse_ptr + token_o * stride_lt + head_o * stride_lh + split, lse, mask=valid_o)
 
 

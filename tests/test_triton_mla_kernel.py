@@ -13,7 +13,8 @@ import torch
 
 from attn import triton_mla_kernel, triton_mla_wgmma
 from attn.triton_mla_kernel import mla_paged_attention, plan_for
-from attn.triton_mla_plan import MAX_SPLITS, min_split_len, num_row_blocks, plan_launch, select_config, tile_shape
+from attn.triton_mla_plan import (MAX_SPLITS, LaunchPlan, TileShape, launch_config, min_split_len, narrow_partials,
+                                  num_row_blocks, plan_launch, select_config, tile_shape)
 from interpreted import run_interpreted
 
 D, DV = 576, 512
@@ -176,6 +177,15 @@ def test_plan_launch_widens_narrow_tiles_for_the_wgmma_kernel_unless_latency_bou
         assert plan_launch(*sizes, wide_tiles=True) == plan_launch(*sizes)
 
 
+def test_split_partials_are_16bit_except_on_widened_wgmma_tiles():
+    """16-bit partials on the Triton tiles and on wgmma tiles of only queries; fp32 where a wgmma tile
+    is widened with rows of no query (its 16-bit store would go through shared memory for them)."""
+    wgmma = launch_config(LaunchPlan(TileShape(64, 1), select_config(TileShape(64, 1)), 2), True)
+    assert narrow_partials(wgmma, 128, 1) and narrow_partials(wgmma, 16, 4) and narrow_partials(wgmma, 32, 2)
+    assert not narrow_partials(wgmma, 16, 1) and not narrow_partials(wgmma, 16, 2)
+    assert narrow_partials(select_config(TileShape(16, 1)), 16, 1)
+
+
 def test_plan_launch_aims_at_half_a_wave_when_wgmma_tiles_are_real_queries_and_chunks_are_short():
     """64-row tiles of only real queries, at most two a request (16 heads x q_len 4, 128 heads x
     q_len 1): on the wgmma kernel half a wave (66 programs of 132 SMs) when a whole wave's chunks
@@ -284,26 +294,28 @@ from attn.triton_mla_kernel import _merge_splits
 
 gen = torch.Generator().manual_seed(5)
 T, H, S = 4, 2, 100  # 100 splits: the reduce streams them in two blocks of 64
-part = torch.randn(T, H, S + 3, 512, generator=gen)[:, :, :S]
-lse = torch.randn(T, H, S, generator=gen) * 8
-empty = torch.rand(T, H, S, generator=gen) < 0.3
-empty[1, 0] = True  # a row whose every chunk is empty
-lse[empty] = float("-inf")
-part[empty] = float("nan")  # empty chunks write no partial: whatever is there must not leak
-cu = torch.tensor([0, 1, 3], dtype=torch.int32)  # token 3 belongs to no request
-out = torch.full((T, H, 512), 7.0)
-_merge_splits(part, lse, out, cu, S)
-weights = torch.softmax(lse * math.log(2), dim=-1).nan_to_num(0.0)  # lse is log2-sum-exp
-expected = torch.einsum("ths,thsd->thd", weights, part.nan_to_num(0.0))
-torch.testing.assert_close(out[:3], expected[:3], atol=1e-5, rtol=1e-5)
-assert (out[1, 0] == 0).all() and (out[3] == 7.0).all()
+for dtype in (torch.float32, torch.bfloat16):  # partials as the kernels write them: fp32 or 16-bit
+    part = torch.randn(T, H, S + 3, 512, generator=gen).to(dtype)[:, :, :S]
+    lse = torch.randn(T, H, S, generator=gen) * 8
+    empty = torch.rand(T, H, S, generator=gen) < 0.3
+    empty[1, 0] = True  # a row whose every chunk is empty
+    lse[empty] = float("-inf")
+    part[empty] = float("nan")  # empty chunks write no partial: whatever is there must not leak
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)  # token 3 belongs to no request
+    out = torch.full((T, H, 512), 7.0)
+    _merge_splits(part, lse, out, cu, S)
+    weights = torch.softmax(lse * math.log(2), dim=-1).nan_to_num(0.0)  # lse is log2-sum-exp
+    expected = torch.einsum("ths,thsd->thd", weights, part.float().nan_to_num(0.0))  # merged in fp32
+    torch.testing.assert_close(out[:3], expected[:3], atol=1e-5, rtol=1e-5)
+    assert (out[1, 0] == 0).all() and (out[3] == 7.0).all()
 print("ok")
 """
 
 
 def test_split_merge_under_triton_interpreter():
-    """The reduce alone against a softmax over the chunks' lse: two split blocks (a running
-    maximum across them), NaN in empty chunks, an all-empty row, a token of no request."""
+    """The reduce alone, over fp32 and 16-bit partials, against an fp32 softmax over the chunks'
+    lse: two split blocks (a running maximum across them), NaN in empty chunks, an all-empty row,
+    a token of no request."""
     pytest.importorskip("triton")
     run_interpreted(_INTERPRETED_MERGE)
 

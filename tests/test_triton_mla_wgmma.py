@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from attn import triton_mla_wgmma
-from attn.triton_mla_plan import LaunchPlan, TileShape, launch_config, queries_fill_tiles, select_config
+from attn.triton_mla_plan import (LaunchPlan, TileShape, launch_config, narrow_partials, queries_fill_tiles,
+                                  select_config)
 
 H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
 
@@ -28,8 +29,9 @@ def _descriptor_type(block_shape: list[int]) -> str:
 
 
 def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, block_n: int, num_stages: int,
-                 query_first: bool):
-    """Compile the kernel as _launch would launch it: (compiled kernel, its PTX, the ptxas path)."""
+                 query_first: bool, out_dtype: str):
+    """Compile the kernel as _launch would launch it, writing ``out_dtype`` ("bf16" or "fp32": the
+    output or the split partials): (compiled kernel, its PTX, the ptxas path)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -39,7 +41,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
             "stride_lt", "stride_lh", "num_splits", "mask_len"]
     signature = dict(q_ptr="*bf16", kv_nope_desc=_descriptor_type([block_n, 512]),
                      kv_pe_desc=_descriptor_type([block_n, 64]), bt_ptr="*i32", seq_lens_ptr="*i32",
-                     cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr="*bf16" if direct else "*fp32",
+                     cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr=f"*{out_dtype}",
                      lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32")
     constants = dict(PAGE_SIZE=64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
                      MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages,
@@ -54,17 +56,18 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
 
 @needs_gluon
 @pytest.mark.parametrize("num_heads, q_len, has_mask, direct", [
-    (128, 1, False, False),  # decode, split-KV partials
+    (128, 1, False, False),  # decode, 16-bit split-KV partials
     (16, 4, True, True),  # tree verify, one split
     (128, 4, False, True),  # causal verify
-    (16, 1, False, False),  # widened decode: a quarter of the rows queries, the kv tiles go out first
+    (16, 1, False, False),  # widened decode: a quarter of the rows queries, kv tiles first, fp32 partials
 ])
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct):
     tile = TileShape(min(num_heads, 64), 64 // min(num_heads, 64))
     assert tile.rows == triton_mla_wgmma.BLOCK_M
-    config = select_config(tile)
+    config = launch_config(LaunchPlan(tile, select_config(tile), 1), wgmma=True)
+    out_dtype = "bf16" if direct or narrow_partials(config, num_heads, q_len) else "fp32"
     kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
-                                      query_first=queries_fill_tiles(num_heads, q_len))
+                                      query_first=queries_fill_tiles(num_heads, q_len), out_dtype=out_dtype)
     assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
     (tmp_path / "k.ptx").write_text(ptx)
     report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
