@@ -357,7 +357,8 @@ def mla_paged_attention(
         return out
     plan, config = plan_for(q, kv_cache, block_tables, max_q_len)
     _launch(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, sm_scale, custom_mask, out,
-            kv_scale, num_splits or plan.num_splits, plan.tile, config, min_split_len(plan.tile))
+            kv_scale, num_splits or plan.num_splits, plan.tile, config,
+            min_split_len(plan.tile, narrow_partials(config, num_heads, max_q_len)))
     return out
 
 

@@ -12,7 +12,6 @@ from attn import triton_mla_wgmma
 
 MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
 MAX_SPLITS = 128  # bounds the workspace and the reduce
-_SHORT_CHUNK = 256  # kv rows (4 wgmma kv tiles): a shorter chunk's program is mostly fixed cost
 
 
 @dataclass(frozen=True)
@@ -65,10 +64,11 @@ def queries_fill_tiles(num_heads: int, max_q_len: int) -> bool:
     return num_heads * max_q_len >= MAX_ROWS
 
 
-def min_split_len(tile: TileShape) -> int:
-    """Shortest kv chunk worth a split: its fp32 partial output (rows x 2 KB) stays at or
-    below the chunk's own kv bytes. A multiple of the tile's BLOCK_N."""
-    return max(32, 2 * tile.rows)
+def min_split_len(tile: TileShape, narrow: bool) -> int:
+    """Shortest kv chunk worth a split: its partial output (rows x 512 values: 1 KB a row when
+    ``narrow``, 16-bit, else 2 KB) stays at or below the chunk's own kv bytes (1152 a row). A
+    multiple of the tile's BLOCK_N."""
+    return max(select_config(tile).block_n, tile.rows * (1 if narrow else 2))
 
 
 @dataclass(frozen=True)
@@ -102,20 +102,12 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     Splits: enough to give every SM its resident programs (programs_per_sm), in whole waves (a
     second, nearly empty wave costs almost as much as the first), but none shorter than
     min_split_len of the longest possible sequence (``max_kv_len``, e.g. block-table width x
-    page size), and at most MAX_SPLITS. Per request the kernel cuts its own length into this
-    many chunks, so short requests just leave some splits empty.
-
-    On the wgmma kernel, a launch whose 64-row tiles hold only real queries (heads x q_len >= 64),
-    at most two of them a request, aims at half a wave when a whole wave would cut even the
-    longest sequence into chunks of at most _SHORT_CHUNK rows: such a program is dominated by its
-    fixed costs, the 128 KB fp32 partial output it writes and the merge reads among them (H100,
-    16 heads x q_len 4: 8 x 4k 35.5 -> 30.2 us, 32 x 1k 35.0 -> 31.0, 1 x 16k 26.4 -> 22.5;
-    128 heads x q_len 1: 8 x 1k 20.7 -> 18.3, 1 x 16k 29.9 -> 27.1). Longer chunks keep the
-    whole wave (128 heads, 512-row chunks: 8 x 4k 34.9 us against 39.6 at half; 16 heads x q_len 4,
-    1024 rows: 8 x 16k 75.5 -> 74.1, 32 x 16k 223.8 -> 236.0), and so do widened tiles (a quarter
-    of the rows real: 8 x 16k x 16 heads x q_len 1 62.9 us against 67.3) and requests of more
-    row blocks, whose programs share each kv tile through L2 and are bound by compute (128 heads
-    x q_len 4, 8 row blocks: 1 x 4k 23.6 us against 24.6).
+    page size), for the launch's partials (narrow_partials), and at most MAX_SPLITS. Per request
+    the kernel cuts its own length into this many chunks, so short requests just leave some
+    splits empty. With fp32 partials, half a wave measured faster for 64-row tiles of only
+    queries when chunks were short; with 16-bit ones a whole wave is as fast or faster there
+    (H100: 1 x 16k x 128 heads 23.3 -> 20.2 us, 8 x 1k x 128 heads 16.3 -> 15.6, 8 x 4k x 16
+    heads x q_len 4 27.0 -> 26.0; 32 x 1k x 16 heads x q_len 4 27.4 either way).
     """
     for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
                         ("num_sms", num_sms)):
@@ -128,7 +120,8 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
         """(config, slots, programs per split, most splits) of a tile."""
         config = select_config(tile)
         per_split = batch_size * num_row_blocks(num_heads, max_q_len, tile) * config.v_split
-        cap = max(1, min(math.ceil(max_kv_len / min_split_len(tile)), MAX_SPLITS))
+        narrow = narrow_partials(launch_config(LaunchPlan(tile, config, 1), wide_tiles), num_heads, max_q_len)
+        cap = max(1, min(math.ceil(max_kv_len / min_split_len(tile, narrow)), MAX_SPLITS))
         return config, programs_per_sm(tile, config) * num_sms, per_split, cap
 
     tile = tile_shape(num_heads, max_q_len)
@@ -141,11 +134,7 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     if tile.rows > 16 and 4 * per_split * cap < slots:
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
         config, slots, per_split, cap = waves(tile)
-    num_splits = _whole_wave_splits(slots, per_split, cap)
-    if (wide_tiles and tile.rows == MAX_ROWS and queries_fill_tiles(num_heads, max_q_len)
-            and num_row_blocks(num_heads, max_q_len, tile) <= 2 and max_kv_len <= num_splits * _SHORT_CHUNK):
-        num_splits = _whole_wave_splits(max(1, slots // 2), per_split, cap)
-    return LaunchPlan(tile, config, num_splits)
+    return LaunchPlan(tile, config, _whole_wave_splits(slots, per_split, cap))
 
 
 def _whole_wave_splits(slots: int, per_split: int, cap: int) -> int:

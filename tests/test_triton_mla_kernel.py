@@ -108,13 +108,15 @@ def test_tile_shape_fills_m_with_heads_then_tokens():
 
 
 def test_min_split_len_keeps_partials_no_larger_than_their_kv():
-    assert min_split_len(tile_shape(16, 1)) == 32
-    assert min_split_len(tile_shape(16, 2)) == 64
-    assert min_split_len(tile_shape(128, 4)) == 128
+    assert min_split_len(tile_shape(16, 1), narrow=False) == 32
+    assert min_split_len(tile_shape(16, 2), narrow=False) == 64
+    assert min_split_len(tile_shape(128, 4), narrow=False) == 128
+    assert min_split_len(tile_shape(128, 4), narrow=True) == 64  # 16-bit partials: half the bytes
     for heads, q_len in ((16, 1), (16, 4), (128, 1), (8, 3)):
         tile = tile_shape(heads, q_len)
-        assert min_split_len(tile) % select_config(tile).block_n == 0
-        assert tile.rows * DV * 4 <= min_split_len(tile) * D * 2
+        for narrow, partial_bytes in ((False, 4), (True, 2)):
+            assert min_split_len(tile, narrow) % select_config(tile).block_n == 0
+            assert tile.rows * DV * partial_bytes <= min_split_len(tile, narrow) * D * 2
 
 
 def splits(*sizes) -> int:
@@ -145,8 +147,8 @@ def test_plan_launch_halves_the_tile_of_latency_bound_launches():
 
     # 1 x 1k x 128 heads: 2 head blocks x at most 8 splits = 16 programs, under a quarter of 132.
     assert tile(1, 128, 1, 1024, 132) == (32, 1)
-    assert splits(1, 128, 1, 1024, 132) == 1024 // min_split_len(tile_shape(32, 1))
-    assert tile(1, 16, 4, 4096, 132) == (16, 2)  # query tokens are halved first
+    assert splits(1, 128, 1, 1024, 132) == 1024 // min_split_len(tile_shape(32, 1), narrow=True)
+    assert tile(1, 16, 4, 1024, 132) == (16, 2)  # query tokens are halved first
     # Enough programs at the default tile: kept.
     assert tile(1, 128, 1, 16384, 132) == (64, 1)
     assert tile(1, 128, 1, 4096, 132) == (64, 1)  # 64 programs: half a wave
@@ -186,20 +188,18 @@ def test_split_partials_are_16bit_except_on_widened_wgmma_tiles():
     assert narrow_partials(select_config(TileShape(16, 1)), 16, 1)
 
 
-def test_plan_launch_aims_at_half_a_wave_when_wgmma_tiles_are_real_queries_and_chunks_are_short():
-    """64-row tiles of only real queries, at most two a request (16 heads x q_len 4, 128 heads x
-    q_len 1): on the wgmma kernel half a wave (66 programs of 132 SMs) when a whole wave's chunks
-    would be at most 256 rows, otherwise a whole wave."""
-    for batch, heads, q_len, seq_len, wgmma, whole in (
-            (8, 16, 4, 4096, 8, 16), (32, 16, 4, 1024, 2, 4), (1, 16, 4, 16384, 66, 128), (8, 16, 4, 16384, 16, 16),
-            (32, 16, 4, 16384, 4, 4), (128, 16, 4, 1024, 1, 1), (8, 128, 1, 1024, 4, 8), (1, 128, 1, 16384, 33, 66),
-            (8, 128, 1, 4096, 8, 8), (32, 128, 1, 1024, 2, 2)):
-        assert plan_launch(batch, heads, q_len, seq_len, 132, wide_tiles=True).num_splits == wgmma
-        assert plan_launch(batch, heads, q_len, seq_len, 132).num_splits == whole
-    # A quarter of the rows real (widened q_len 1), or eight row blocks a request (128 heads x
-    # q_len 4, 256-row chunks): a whole wave.
-    assert plan_launch(8, 16, 1, 16384, 132, wide_tiles=True).num_splits == 16
-    assert plan_launch(1, 128, 4, 4096, 132, wide_tiles=True).num_splits == 16
+def test_plan_launch_fills_a_whole_wave_with_16bit_partials_split_down_to_one_kv_tile():
+    """Split launches of 64-row tiles of only queries write 16-bit partials: whole waves, even where
+    the chunks are short, and chunks as short as one 64-row kv tile (half those of fp32 partials)."""
+    for batch, heads, q_len, seq_len, expected in (
+            (8, 16, 4, 4096, 16), (32, 16, 4, 1024, 4), (1, 16, 4, 16384, 128), (8, 128, 1, 1024, 8),
+            (1, 128, 1, 16384, 66), (8, 128, 1, 4096, 8), (32, 128, 1, 1024, 2)):
+        assert plan_launch(batch, heads, q_len, seq_len, 132, wide_tiles=True).num_splits == expected
+    # 1 x 1k x 128 heads x q_len 4: 8 row blocks x 16 chunks of 64 rows (fp32 partials stopped at 8 of 128).
+    assert plan_launch(1, 128, 4, 1024, 132, wide_tiles=True).num_splits == 16
+    # A widened tile (16 heads x q_len 1, 48 rows of no query) keeps fp32 partials and 128-row chunks.
+    plan = plan_launch(8, 16, 1, 1024, 132, wide_tiles=True)
+    assert plan.tile == TileShape(16, 4) and plan.num_splits == 1024 // 128
 
 
 def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
@@ -208,7 +208,7 @@ def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
     monkeypatch.setattr(triton_mla_kernel, "_num_sms", lambda device: 132)
     q = torch.zeros(12, 16, D, dtype=torch.bfloat16)
     kv = torch.zeros(40, 64, D, dtype=torch.bfloat16)
-    for width, pages, splits in ((64, 40, 20), (16, 16, 16)):
+    for width, pages, splits in ((64, 40, 40), (16, 16, 16)):
         plan, config = plan_for(q, kv, torch.zeros(3, width, dtype=torch.int32), 4)
         assert plan == plan_launch(3, 16, 4, pages * 64, 132) and plan.num_splits == splits and not config.wgmma
 
