@@ -151,7 +151,7 @@ def test_plan_launch_halves_the_tile_of_latency_bound_launches():
     assert tile(1, 16, 4, 1024, 132) == (16, 2)  # query tokens are halved first
     # Enough programs at the default tile: kept.
     assert tile(1, 128, 1, 16384, 132) == (64, 1)
-    assert tile(1, 128, 1, 4096, 132) == (64, 1)  # 64 programs: half a wave
+    assert tile(1, 128, 1, 4096, 132) == (64, 1)  # 2 row blocks x 64 splits of 64 rows: a whole wave
     assert tile(8, 128, 1, 4096, 132) == (64, 1)
     assert tile(8, 16, 4, 4096, 132) == (16, 4)
     assert tile(1, 16, 1, 64, 132) == (16, 1)  # never below 16 rows
