@@ -450,10 +450,12 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     splits_p2 = next_pow2(num_splits)
     block_d = max(64, min(KV_LORA_RANK, 4096 // splits_p2))
     split_block = min(splits_p2, 4096 // block_d)
-    # Warps only along the row slice, 16 bytes a thread: warps along the splits would make the sum
-    # over them a shared-memory exchange, whose bank conflicts cost more than the loads (H100, 16-bit
-    # partials of 32 tokens x 128 heads x 2 splits: 22.3 us at 4 warps, 5.2 at 2).
-    num_warps = max(1, min(4, block_d * o_part.element_size() // (32 * 16)))
+    # 16-bit partials: warps only along the row slice. Their loads are 8 values a thread, and with
+    # warps along the splits the sum over them is a shared-memory exchange of 8 fp32 a thread,
+    # whose bank conflicts cost more than the loads (H100, 32 tokens x 128 heads x 2 splits: 22.3 us
+    # at 4 warps, 5.2 at 2). fp32 partials (4 values a thread) keep 4 warps: in small grids the
+    # extra warps' loads gain more than their exchange costs (1 x 16k x 16 heads: 14.9 -> 14.7 us).
+    num_warps = 4 if o_part.element_size() == 4 else max(1, min(4, block_d // 256))
     # A programmatic dependent launch (SM90+) is set up as the attention kernel's programs exit,
     # not after the kernel completes, and waits for the partials in the kernel (H100: 1 x 1k x 16
     # heads 8.2 -> 7.6 us; the other split launches within noise).
