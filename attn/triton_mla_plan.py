@@ -92,12 +92,12 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     1 x 16k 19.4 -> 16.7 us; x q_len 2: 1.1-1.5x, e.g. 32 x 4k 89.6 -> 67.8 us), but in the
     latency-bound launches the 16-row tile stays faster (1 x 1k x q_len 1: 8.4 us against 11.1).
 
-    The tile is tile_shape's, halved once (query tokens first, then heads) when even the most
-    splits its kv allows would give it less than a quarter wave of programs: such a launch (few
-    requests, short contexts) is latency-bound and gains more from twice the programs than it
-    loses to reading its kv once more per extra row block (H100: 1 x 1k x 128 heads 17.8 ->
-    12.5 us, 1 x 4k x q_len 4 x 16 heads 21.3 -> 15.4 us; at half a wave, 1 x 4k x 128 heads
-    lost: 22.4 -> 24.5 us).
+    The tile is tile_shape's, halved (query tokens first, then heads) down to 16 rows while even
+    the most splits its kv allows would give it less than a quarter wave of programs: such a
+    launch (few requests, short contexts) is latency-bound and gains more from twice the programs
+    than it loses to reading its kv once more per extra row block (H100: 1 x 1k x 128 heads 11.0
+    us at 32 rows, 9.9 at 16; 1 x 1k x 16 heads x q_len 4 10.9 and 7.9; at half a wave, 1 x 4k x
+    128 heads lost: 22.4 -> 24.5 us).
 
     Splits: enough to give every SM its resident programs (programs_per_sm), in whole waves (a
     second, nearly empty wave costs almost as much as the first), but none shorter than
@@ -107,7 +107,8 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     splits empty. With fp32 partials, half a wave measured faster for 64-row tiles of only
     queries when chunks were short; with 16-bit ones a whole wave is as fast or faster there
     (H100: 1 x 16k x 128 heads 23.3 -> 20.2 us, 8 x 1k x 128 heads 16.3 -> 15.6, 8 x 4k x 16
-    heads x q_len 4 27.0 -> 26.0; 32 x 1k x 16 heads x q_len 4 27.4 either way).
+    heads x q_len 4 27.0 -> 26.0; 32 x 1k x 16 heads x q_len 4 27.4 either way). The count is
+    then cut to the chunks the longest sequence fills (used_splits).
     """
     for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
                         ("num_sms", num_sms)):
@@ -116,25 +117,37 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     if not isinstance(max_kv_len, int) or max_kv_len < 0:
         raise ValueError(f"plan_launch: max_kv_len must be a non-negative int, got {max_kv_len!r}")
 
-    def waves(tile: TileShape) -> tuple[KernelConfig, int, int, int]:
-        """(config, slots, programs per split, most splits) of a tile."""
+    def waves(tile: TileShape) -> tuple[KernelConfig, int, int, int, int]:
+        """(config, slots, programs per split, shortest chunk, most splits) of a tile."""
         config = select_config(tile)
         per_split = batch_size * num_row_blocks(num_heads, max_q_len, tile) * config.v_split
         narrow = narrow_partials(launch_config(LaunchPlan(tile, config, 1), wide_tiles), num_heads, max_q_len)
-        cap = max(1, min(math.ceil(max_kv_len / min_split_len(tile, narrow)), MAX_SPLITS))
-        return config, programs_per_sm(tile, config) * num_sms, per_split, cap
+        min_chunk = min_split_len(tile, narrow)
+        cap = max(1, min(math.ceil(max_kv_len / min_chunk), MAX_SPLITS))
+        return config, programs_per_sm(tile, config) * num_sms, per_split, min_chunk, cap
 
     tile = tile_shape(num_heads, max_q_len)
     if wide_tiles and tile.rows < MAX_ROWS:
         wide = TileShape(tile.block_h, MAX_ROWS // tile.block_h)
-        _, slots, per_split, cap = waves(wide)
+        _, slots, per_split, _, cap = waves(wide)
         if 4 * per_split * cap >= slots:
             tile = wide
-    config, slots, per_split, cap = waves(tile)
-    if tile.rows > 16 and 4 * per_split * cap < slots:
+    config, slots, per_split, min_chunk, cap = waves(tile)
+    while tile.rows > 16 and 4 * per_split * cap < slots:
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
-        config, slots, per_split, cap = waves(tile)
-    return LaunchPlan(tile, config, _whole_wave_splits(slots, per_split, cap))
+        config, slots, per_split, min_chunk, cap = waves(tile)
+    num_splits = _whole_wave_splits(slots, per_split, cap)
+    return LaunchPlan(tile, config, used_splits(max_kv_len, num_splits, config.block_n, min_chunk))
+
+
+def used_splits(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int:
+    """How many of num_splits chunks a sequence of kv_len rows fills: the kernel (chunk_bounds) cuts
+    it into chunks of a whole number of block_n tiles, at least min_chunk rows, so the last splits
+    of a count that does not divide it evenly stay empty (1 x 16k x 128 heads: 66 splits of 256
+    rows fill 64), and their programs and the reduce's second pass over them are wasted (H100:
+    20.8 -> 19.5 us at 64)."""
+    chunk = max(math.ceil(math.ceil(kv_len / num_splits) / block_n) * block_n, min_chunk)
+    return max(1, min(num_splits, math.ceil(kv_len / chunk)))
 
 
 def _whole_wave_splits(slots: int, per_split: int, cap: int) -> int:

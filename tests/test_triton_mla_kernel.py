@@ -14,7 +14,7 @@ import torch
 from attn import triton_mla_kernel, triton_mla_wgmma
 from attn.triton_mla_kernel import mla_paged_attention, plan_for
 from attn.triton_mla_plan import (MAX_SPLITS, LaunchPlan, TileShape, launch_config, min_split_len, narrow_partials,
-                                  num_row_blocks, plan_launch, select_config, tile_shape)
+                                  num_row_blocks, plan_launch, select_config, tile_shape, used_splits)
 from interpreted import run_interpreted
 
 D, DV = 576, 512
@@ -131,12 +131,25 @@ def test_plan_launch_splits():
     assert splits(1, 16, 1, 100, 132) == 4
     assert splits(1, 16, 1, 0, 132) == 1
     # 64-row tiles fill the shared memory: one program per SM.
-    assert splits(1, 128, 1, 16384, 132) == 66
+    assert splits(1, 128, 1, 16384, 132) == 64  # 66 fill a wave, but 16k fills only 64 of their chunks
     assert splits(8, 128, 4, 16384, 132) == 2  # 128 programs fill one wave; 3 would run 192 in two
     # Enough programs already: no split.
     assert splits(128, 128, 4, 16384, 132) == 1
     assert splits(264, 16, 1, 16384, 132) == 1
     assert splits(64, 16, 1, 16384, 132) == 4  # 256 programs: one wave (5 would run 320 in two)
+
+
+def test_used_splits_counts_the_chunks_a_sequence_fills():
+    """The kernel's chunks are whole kv tiles of at least the shortest chunk: a split count whose
+    last chunks would be empty for the longest sequence is cut to the filled ones."""
+    assert used_splits(16384, 66, 64, 64) == 64  # chunks of 256 rows (249 rounded up to 4 tiles)
+    assert used_splits(16384, 64, 64, 64) == 64
+    assert used_splits(1000, 8, 64, 256) == 4  # the shortest chunk (256 rows) binds
+    assert used_splits(0, 8, 64, 64) == 1 and used_splits(100, 1, 32, 32) == 1
+    for kv_len, num_splits, block_n, min_chunk in ((4097, 33, 64, 64), (1024, 7, 32, 32), (777, 128, 16, 64)):
+        used = used_splits(kv_len, num_splits, block_n, min_chunk)
+        chunk = max(-(-(-(-kv_len // num_splits)) // block_n) * block_n, min_chunk)
+        assert used <= num_splits and (used - 1) * chunk < kv_len <= used * chunk  # every used chunk holds rows
 
 
 def test_plan_launch_halves_the_tile_of_latency_bound_launches():
@@ -145,10 +158,12 @@ def test_plan_launch_halves_the_tile_of_latency_bound_launches():
         assert plan.config == select_config(plan.tile) and plan.tile.rows >= 16
         return plan.tile.block_h, plan.tile.block_q
 
-    # 1 x 1k x 128 heads: 2 head blocks x at most 8 splits = 16 programs, under a quarter of 132.
-    assert tile(1, 128, 1, 1024, 132) == (32, 1)
-    assert splits(1, 128, 1, 1024, 132) == 1024 // min_split_len(tile_shape(32, 1), narrow=True)
-    assert tile(1, 16, 4, 1024, 132) == (16, 2)  # query tokens are halved first
+    # 1 x 1k x 128 heads: 2 head blocks x at most 16 splits = 32 programs, under a quarter of 132;
+    # at 32 rows 4 x 16 = 64, still under a quarter of 264 two-a-SM slots: halved again.
+    assert tile(1, 128, 1, 1024, 132) == (16, 1)
+    assert splits(1, 128, 1, 1024, 132) == 1024 // min_split_len(tile_shape(16, 1), narrow=True)
+    assert tile(1, 16, 4, 1024, 132) == (16, 1)  # query tokens are halved first: 16x4 -> 16x2 -> 16x1
+    assert tile(2, 16, 2, 4096, 132) == (16, 2)  # 2 requests x 64 splits: a quarter of 264 slots
     # Enough programs at the default tile: kept.
     assert tile(1, 128, 1, 16384, 132) == (64, 1)
     assert tile(1, 128, 1, 4096, 132) == (64, 1)  # 2 row blocks x 64 splits of 64 rows: a whole wave
@@ -193,7 +208,7 @@ def test_plan_launch_fills_a_whole_wave_with_16bit_partials_split_down_to_one_kv
     the chunks are short, and chunks as short as one 64-row kv tile (half those of fp32 partials)."""
     for batch, heads, q_len, seq_len, expected in (
             (8, 16, 4, 4096, 16), (32, 16, 4, 1024, 4), (1, 16, 4, 16384, 128), (8, 128, 1, 1024, 8),
-            (1, 128, 1, 16384, 66), (8, 128, 1, 4096, 8), (32, 128, 1, 1024, 2)):
+            (1, 128, 1, 16384, 64), (8, 128, 1, 4096, 8), (32, 128, 1, 1024, 2)):
         assert plan_launch(batch, heads, q_len, seq_len, 132, wide_tiles=True).num_splits == expected
     # 1 x 1k x 128 heads x q_len 4: 8 row blocks x 16 chunks of 64 rows (fp32 partials stopped at 8 of 128).
     assert plan_launch(1, 128, 4, 1024, 132, wide_tiles=True).num_splits == 16
