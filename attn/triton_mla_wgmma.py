@@ -301,11 +301,11 @@ def _mla_wgmma_kernel(
     num_splits, mask_len, qk_scale, v_scale,
     PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
     MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
-    QUERY_FIRST: gl.constexpr,
+    QUERY_FIRST: gl.constexpr, PDL: gl.constexpr,
 ):
     """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel. Loads the query
     tile and the first kv tiles (QUERY_FIRST: in that order), then forks into the two warpgroup
-    roles."""
+    roles. PDL: the shared memory and barriers are set up before it waits for the kernel before it."""
     gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
@@ -314,14 +314,6 @@ def _mla_wgmma_kernel(
     dtype: gl.constexpr = kv_nope_desc.dtype
     q_nope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_NOPE], dtype)
     q_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_PE], dtype)
-
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
-                                                            NUM_HEADS, BLOCK_H)
-    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
-                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
-    num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
 
     q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_layout)
     q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_layout)
@@ -340,6 +332,16 @@ def _mla_wgmma_kernel(
     mbarrier.init(done, count=1)
     fence_async_shared()  # the barriers, before the first TMA
     gl.thread_barrier()
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
+                                                            NUM_HEADS, BLOCK_H)
+    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
+                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
+    num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
 
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
     # The query tile goes out before the first kv tiles when all its rows are queries: in a full

@@ -45,7 +45,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
                      lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32")
     constants = dict(PAGE_SIZE=64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
                      MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages,
-                     QUERY_FIRST=query_first)
+                     QUERY_FIRST=query_first, PDL=True)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
