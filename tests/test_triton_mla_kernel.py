@@ -308,7 +308,7 @@ import torch
 from attn.triton_mla_kernel import _merge_splits
 
 gen = torch.Generator().manual_seed(5)
-T, H, S = 4, 2, 100  # 100 splits: the reduce streams them in two blocks of 64
+T, H, S = 4, 2, 200  # past MAX_SPLITS (128, loaded at once): the reduce streams them in blocks of 128
 for dtype in (torch.float32, torch.bfloat16):  # partials as the kernels write them: fp32 or 16-bit
     part = torch.randn(T, H, S + 3, 512, generator=gen).to(dtype)[:, :, :S]
     lse = torch.randn(T, H, S, generator=gen) * 8
@@ -350,8 +350,9 @@ def test_decode(num_heads, page_size, num_splits):
 
 @pytest.mark.parametrize("num_heads", [16, 128])
 @gpu
-def test_decode_with_more_splits_than_one_reduce_block(num_heads):
-    """MAX_SPLITS chunks: over 64 of them hold kv, so the reduce merges two blocks of splits."""
+def test_decode_with_max_splits(num_heads):
+    """MAX_SPLITS chunks, over 64 of them holding kv: the reduce merges them in one load of
+    32-dim row slices."""
     args, q = make_inputs([20000, 9000, 1], [1] * 3, num_heads, 64, "cuda")
     check(args, q, num_splits=MAX_SPLITS)
 
