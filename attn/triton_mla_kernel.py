@@ -33,7 +33,6 @@ from attn.triton_mla_plan import (
     next_pow2,
     num_row_blocks,
     plan_launch,
-    queries_fill_tiles,
 )
 
 try:
@@ -423,11 +422,12 @@ def _launch(
                      MIN_CHUNK=min_chunk, HAS_MASK=has_mask, DIRECT=direct, PDL=pdl)
     row_blocks = num_row_blocks(num_heads, max_q_len, tile)
     if config.wgmma:
-        nope_desc, pe_desc = triton_mla_wgmma.kv_descriptors(kv_cache, config.block_n)
+        q_descs = triton_mla_wgmma.row_descriptors(q, tile.block_h)
+        kv_descs = triton_mla_wgmma.row_descriptors(kv_cache, config.block_n)
         triton_mla_wgmma._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
-            q, nope_desc, pe_desc, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
-            q.stride(0), q.stride(1), block_tables.stride(0), *scalars,
-            **constants, NUM_STAGES=config.num_stages, QUERY_FIRST=queries_fill_tiles(num_heads, max_q_len),
+            *q_descs, *kv_descs, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
+            block_tables.stride(0), *scalars,
+            **constants, NUM_STAGES=config.num_stages,
             num_warps=triton_mla_wgmma.NUM_WARPS, launch_pdl=pdl,
         )
     else:

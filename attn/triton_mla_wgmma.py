@@ -2,11 +2,12 @@
 
 Same contract as ``_mla_attention_kernel`` in attn/triton_mla_kernel.py (which launches it), for
 the tiles where that kernel is compute-bound: 64 (query token x head) rows, a 16-bit cache whose
-pages hold whole 64-row kv tiles, on SM90. Triton's own lowering of that tile keeps the query in
+pages hold whole 64-row kv tiles, and a query and cache whose rows TMA can address, on SM90. Triton's own lowering of that tile keeps the query in
 registers next to the [64, 512] fp32 accumulator and spills; here the roles follow FlashInfer
 FA3-MLA's, spelled out:
 
-- the query tile ([64, 512] + [64, 64] bf16) sits in shared memory for the whole program;
+- the query tile ([64, 512] + [64, 64] bf16) arrives by TMA, a box of one token's heads per query
+  token (``q_ready``), and sits in shared memory for the whole program;
 - kv tiles ([64, 512] + [64, 64] bf16) arrive by TMA into NUM_STAGES stages (two of 72 KB);
 - warpgroup 0 (``_softmax_partition``) computes the whole [64, 64] QK^T of a tile, the online
   softmax, and PV for output dims 0-255; warpgroup 1 (``_pv_partition``) computes PV for dims
@@ -63,27 +64,36 @@ _BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _co
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether this tile can serve a launch: Gluon present, an SM90 device, a cache in q's 16-bit
-    dtype whose pages hold whole kv tiles and flatten to TMA-addressable [rows, 576] rows."""
+    dtype whose pages hold whole kv tiles, and a cache and a query that flatten to TMA-addressable
+    [rows, 576] rows (_flat_rows)."""
     if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     num_pages, page_size, _ = kv_cache.shape
     return (kv_cache.dtype == q.dtype and page_size % BLOCK_N == 0
-            and kv_cache.stride(0) == page_size * kv_cache.stride(1)
-            and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
-            and kv_cache.data_ptr() % 16 == 0 and num_pages * page_size < 2**31)
+            and _flat_rows(kv_cache) is not None and _flat_rows(q) is not None)
 
 
-def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple:
-    """TMA descriptors of the latent ([rows, 512]) and rope ([rows, 64]) parts of a
-    [num_pages, page_size, 576] cache that ``supports`` accepts, as [BLOCK_N, .] boxes of its flat
-    row index page * page_size + offset; block_n kv rows a box."""
-    rows = kv_cache.shape[0] * kv_cache.shape[1]
-    flat = kv_cache.view(rows, kv_cache.shape[2])
+def _flat_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """[n, m, 576] x as its [n * m, 576] rows, where TMA can address them: evenly strided (the
+    outer stride m times the inner one, or one outer index), 16-byte aligned, under 2**31 rows."""
+    n, m, width = x.shape
+    if ((n > 1 and x.stride(0) != m * x.stride(1)) or (x.stride(1) * x.element_size()) % 16
+            or x.data_ptr() % 16 or n * m >= 2**31):
+        return None
+    return x.as_strided((n * m, width), (x.stride(1), 1))
+
+
+def row_descriptors(x: torch.Tensor, box_rows: int) -> tuple:
+    """TMA descriptors of the latent ([rows, 512]) and rope ([rows, 64]) parts of an [n, m, 576]
+    tensor's flat rows (a cache [num_pages, page_size, 576]: row page * page_size + offset; a query
+    [T, H, 576]: row token * H + head) that ``supports`` accepts, box_rows rows a box."""
+    flat = _flat_rows(x)
+    rows = flat.shape[0]
     dtype = gl.bfloat16 if flat.dtype == torch.bfloat16 else gl.float16
-    nope_layout = gl.NVMMASharedLayout.get_default_for([block_n, D_NOPE], dtype)
-    pe_layout = gl.NVMMASharedLayout.get_default_for([block_n, D_PE], dtype)
-    nope = TensorDescriptor(flat, [rows, D_NOPE], [flat.stride(0), 1], [block_n, D_NOPE], nope_layout)
-    pe = TensorDescriptor(flat[:, D_NOPE:], [rows, D_PE], [flat.stride(0), 1], [block_n, D_PE], pe_layout)
+    nope_layout = gl.NVMMASharedLayout.get_default_for([box_rows, D_NOPE], dtype)
+    pe_layout = gl.NVMMASharedLayout.get_default_for([box_rows, D_PE], dtype)
+    nope = TensorDescriptor(flat, [rows, D_NOPE], [flat.stride(0), 1], [box_rows, D_NOPE], nope_layout)
+    pe = TensorDescriptor(flat[:, D_NOPE:], [rows, D_PE], [flat.stride(0), 1], [box_rows, D_PE], pe_layout)
     return nope, pe
 
 
@@ -103,20 +113,26 @@ def _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage,
 
 
 @_jit
-def _load_query(q_ptr, q_nope_smem, q_pe_smem, q_block, h_block, q_start, q_len, stride_qt, stride_qh,
-                NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr):
-    """The program's query tile -> shared memory (rows of no query: 0)."""
-    load_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                 warps_per_cta=[4, 1], order=[1, 0])
-    rows = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, load_layout))
-    q_idx = q_block * BLOCK_Q + rows // BLOCK_H
-    head = h_block * BLOCK_H + rows % BLOCK_H
-    valid = (q_idx < q_len) & (head < NUM_HEADS)
-    q_row_ptr = q_ptr + (q_start + q_idx).to(gl.int64) * stride_qt + head * stride_qh
-    offs_nope = gl.arange(0, _D_NOPE, layout=gl.SliceLayout(0, load_layout))
-    offs_pe = gl.arange(0, _D_PE, layout=gl.SliceLayout(0, load_layout))
-    q_nope_smem.store(gl.load(q_row_ptr[:, None] + offs_nope[None, :], mask=valid[:, None], other=0.0))
-    q_pe_smem.store(gl.load(q_row_ptr[:, None] + _D_NOPE + offs_pe[None, :], mask=valid[:, None], other=0.0))
+def _load_query(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_block, h_block, q_start, q_len,
+                num_tiles, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """TMA of the program's query tile into shared memory, a [BLOCK_H, .] box of flat query rows
+    (token * NUM_HEADS + head) per query token of the request; completes q_ready. Nothing is
+    loaded for a program without kv tiles.
+
+    Rows of no query are never stored from, so they may hold anything: the heads past NUM_HEADS of
+    a box are the next token's, and the boxes of tokens past q_len are not loaded at all (a widened
+    tile reads only its query rows)."""
+    num_q = gl.where(num_tiles > 0, gl.minimum(q_len - q_block * BLOCK_Q, BLOCK_Q), 0)
+    # q_ready counts BLOCK_Q arrivals: a loaded box's with its bytes, a skipped one's without.
+    for i in gl.static_range(BLOCK_Q):
+        load = i < num_q
+        row = (q_start + q_block * BLOCK_Q + i) * NUM_HEADS + h_block * BLOCK_H
+        mbarrier.expect(q_ready, q_nope_desc.block_type.nbytes + q_pe_desc.block_type.nbytes, pred=load)
+        tma.async_copy_global_to_shared(q_nope_desc, [row, 0], q_ready, q_nope_smem.slice(i * BLOCK_H, BLOCK_H),
+                                        pred=load)
+        tma.async_copy_global_to_shared(q_pe_desc, [row, 0], q_ready, q_pe_smem.slice(i * BLOCK_H, BLOCK_H),
+                                        pred=load)
+        mbarrier.arrive(q_ready, count=1, pred=i >= num_q)
 
 
 @_jit
@@ -172,7 +188,7 @@ def _staging(smem):
 
 
 @_jit
-def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done, row_smem,
+def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done, row_smem,
                        mask_ptr, b, stride_mb, stride_mq,
                        q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
                        o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
@@ -201,6 +217,8 @@ def _softmax_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, 
     s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
     l_acc = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)  # per-column partial row sums
     m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    # Also where there are no tiles: the query tile is the staging of the stores at the end.
+    mbarrier.wait(q_ready, 0)
     for j in range(num_tiles):
         stage = j % NUM_STAGES
         start = lo + j * _BLOCK_N
@@ -295,28 +313,26 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_r
 
 @_jit
 def _mla_wgmma_kernel(
-    q_ptr, kv_nope_desc, kv_pe_desc, bt_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, o_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_bt, stride_mb, stride_mq,
+    q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, bt_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, o_ptr, lse_ptr,
+    stride_bt, stride_mb, stride_mq,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     num_splits, mask_len, qk_scale, v_scale,
     PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
     MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
-    QUERY_FIRST: gl.constexpr, PDL: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel. Loads the query
-    tile and the first kv tiles (QUERY_FIRST: in that order), then forks into the two warpgroup
-    roles. PDL: the shared memory and barriers are set up before it waits for the kernel before it."""
+    tile and then the first kv tiles, and forks into the two warpgroup roles. PDL: the shared memory and barriers are set up before it waits for the kernel before it."""
     gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
+    gl.static_assert(q_nope_desc.block_type.shape[0] == BLOCK_H)  # a query box: one token's heads
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
     gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
     gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
     dtype: gl.constexpr = kv_nope_desc.dtype
-    q_nope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_NOPE], dtype)
-    q_pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _D_PE], dtype)
 
-    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_layout)
-    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_layout)
+    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_desc.layout)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_desc.layout)
     kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)
     kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
     # Per-row floats: a rescale factor per stage, then the final row sums and maxima.
@@ -325,11 +341,13 @@ def _mla_wgmma_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     a_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(a_free.index(i), count=1)
     mbarrier.init(done, count=1)
+    mbarrier.init(q_ready, count=BLOCK_Q)
     fence_async_shared()  # the barriers, before the first TMA
     gl.thread_barrier()
     if PDL:
@@ -344,24 +362,20 @@ def _mla_wgmma_kernel(
     num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
 
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
-    # The query tile goes out before the first kv tiles when all its rows are queries: in a full
-    # wave's first burst a tile requested earlier lands earlier, and the first QK^T needs both
-    # (H100, 16 heads x q_len 4: 128 x 1k 71.3 -> 68.8 us). A widened tile's few query rows land
-    # soon anyway, so there the kv tiles lead (1 x 16k x 16 heads x q_len 1: 15.5 against 16.0 us).
-    if QUERY_FIRST:
-        _load_query(q_ptr, q_nope_smem, q_pe_smem, q_block, h_block, q_start, q_len, stride_qt, stride_qh,
-                    NUM_HEADS, BLOCK_H, BLOCK_Q)
+    # The query tile goes out before the first kv tiles: an SM's copies land about in the order they
+    # were issued, and the first QK^T needs both (H100, a query loaded through registers ahead of
+    # the kv copies: 16 heads x q_len 4, 128 x 1k 71.3 -> 68.8 us). As a copy too, the kv copies no
+    # longer wait for its round trip (1 x 1k x 128 heads x q_len 4 11.6 -> 11.0 us, 1 x 4k x 128
+    # heads 12.6 -> 12.0, 8 x 1k x 128 heads 15.0 -> 14.4; widened tiles, which used to load their
+    # query after the kv, within 0.2 us: 1 x 16k x 16 heads 14.4 -> 14.6).
+    _load_query(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_block, h_block, q_start, q_len,
+                num_tiles, NUM_HEADS, BLOCK_H, BLOCK_Q)
     for i in gl.static_range(NUM_STAGES):
         page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
         _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
                    i < num_tiles, PAGE_SIZE)
-    if not QUERY_FIRST:
-        _load_query(q_ptr, q_nope_smem, q_pe_smem, q_block, h_block, q_start, q_len, stride_qt, stride_qh,
-                    NUM_HEADS, BLOCK_H, BLOCK_Q)
-    fence_async_shared()  # the query tile, before wgmma reads it
-    gl.thread_barrier()
     gl.warp_specialize([
-        (_softmax_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
+        (_softmax_partition, (q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
                               row_smem, mask_ptr, b, stride_mb, stride_mq,
                               q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len,
                               qk_scale, o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt,

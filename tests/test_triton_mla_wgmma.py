@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from attn import triton_mla_wgmma
-from attn.triton_mla_plan import (LaunchPlan, TileShape, launch_config, narrow_partials, queries_fill_tiles,
-                                  select_config)
+from attn.triton_mla_plan import LaunchPlan, TileShape, launch_config, narrow_partials, select_config
 
 H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
 
@@ -29,7 +28,7 @@ def _descriptor_type(block_shape: list[int]) -> str:
 
 
 def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, block_n: int, num_stages: int,
-                 query_first: bool, out_dtype: str):
+                 out_dtype: str):
     """Compile the kernel as _launch would launch it, writing ``out_dtype`` ("bf16" or "fp32": the
     output or the split partials): (compiled kernel, its PTX, the ptxas path)."""
     import triton
@@ -37,15 +36,16 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ints = ["stride_qt", "stride_qh", "stride_bt", "stride_mb", "stride_mq", "stride_ot", "stride_oh", "stride_os",
+    ints = ["stride_bt", "stride_mb", "stride_mq", "stride_ot", "stride_oh", "stride_os",
             "stride_lt", "stride_lh", "num_splits", "mask_len"]
-    signature = dict(q_ptr="*bf16", kv_nope_desc=_descriptor_type([block_n, 512]),
+    signature = dict(q_nope_desc=_descriptor_type([tile.block_h, 512]), q_pe_desc=_descriptor_type([tile.block_h, 64]),
+                     kv_nope_desc=_descriptor_type([block_n, 512]),
                      kv_pe_desc=_descriptor_type([block_n, 64]), bt_ptr="*i32", seq_lens_ptr="*i32",
                      cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr=f"*{out_dtype}",
                      lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32")
     constants = dict(PAGE_SIZE=64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
                      MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages,
-                     QUERY_FIRST=query_first, PDL=True)
+                     PDL=True)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -59,7 +59,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     (128, 1, False, False),  # decode, 16-bit split-KV partials
     (16, 4, True, True),  # tree verify, one split
     (128, 4, False, True),  # causal verify
-    (16, 1, False, False),  # widened decode: a quarter of the rows queries, kv tiles first, fp32 partials
+    (16, 1, False, False),  # widened decode: a quarter of the rows queries, fp32 partials
 ])
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct):
     tile = TileShape(min(num_heads, 64), 64 // min(num_heads, 64))
@@ -67,7 +67,7 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_hea
     config = launch_config(LaunchPlan(tile, select_config(tile), 1), wgmma=True)
     out_dtype = "bf16" if direct or narrow_partials(config, num_heads, q_len) else "fp32"
     kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
-                                      query_first=queries_fill_tiles(num_heads, q_len), out_dtype=out_dtype)
+                                      out_dtype=out_dtype)
     assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
     (tmp_path / "k.ptx").write_text(ptx)
     report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
@@ -94,9 +94,24 @@ def test_not_used_off_sm90_or_for_caches_it_cannot_address():
 @needs_gluon
 def test_kv_descriptors_address_latent_and_rope_rows_of_the_flat_cache():
     kv = torch.zeros(3, 128, 576, dtype=torch.bfloat16)
-    nope, pe = triton_mla_wgmma.kv_descriptors(kv, 64)
+    nope, pe = triton_mla_wgmma.row_descriptors(kv, 64)
     assert nope.shape == [384, 512] and pe.shape == [384, 64]
     assert nope.strides == [576, 1] and pe.strides == [576, 1]
     assert nope.block_shape == [64, 512] and pe.block_shape == [64, 64]
     assert nope.base.data_ptr() == kv.data_ptr()
     assert pe.base.data_ptr() == kv.data_ptr() + 512 * kv.element_size()
+
+
+def test_flat_rows_only_where_tma_can_address_them():
+    """The query [T, H, 576] and the cache [pages, page_size, 576] are read by TMA as flat rows:
+    only evenly strided, 16-byte aligned ones; otherwise the launch takes the Triton tile."""
+    q = torch.zeros(5, 16, 576, dtype=torch.bfloat16)
+    flat = triton_mla_wgmma._flat_rows(q)
+    assert flat.shape == (80, 576) and flat.stride() == (576, 1) and flat.data_ptr() == q.data_ptr()
+    padded = torch.zeros(5, 16, 640, dtype=torch.bfloat16)[..., :576]  # rows 1280 bytes apart
+    assert triton_mla_wgmma._flat_rows(padded).stride() == (640, 1)
+    assert triton_mla_wgmma._flat_rows(torch.zeros(5, 20, 576, dtype=torch.bfloat16)[:, :16]) is None  # uneven
+    assert triton_mla_wgmma._flat_rows(torch.zeros(5, 16, 580, dtype=torch.bfloat16)[..., 1:577]) is None  # unaligned
+    one_token = torch.zeros(2, 16, 576, dtype=torch.bfloat16)[:1]
+    assert triton_mla_wgmma._flat_rows(one_token.as_strided((1, 16, 576), (10**6, 576, 1))) is not None
+    assert triton_mla_wgmma._flat_rows(torch.zeros(4, 64, 576, dtype=torch.bfloat16)).shape == (256, 576)
