@@ -87,10 +87,13 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     With ``wide_tiles`` (the launch runs 64-row tiles on the Gluon wgmma kernel: launch_config)
     a narrower tile is first widened to 64 rows, more query tokens a program with the surplus
     rows masked, unless even that tile's most splits would give less than a quarter wave (the
-    halving rule below). A wgmma tile a quarter full still streams kv faster than the narrow
-    Triton tiles (H100, 16 heads x q_len 1: 128 x 1k 67.4 -> 59.2 us, 8 x 16k 68.6 -> 62.5 us,
-    1 x 16k 19.4 -> 16.7 us; x q_len 2: 1.1-1.5x, e.g. 32 x 4k 89.6 -> 67.8 us), but in the
-    latency-bound launches the 16-row tile stays faster (1 x 1k x q_len 1: 8.4 us against 11.1).
+    halving rule below), or the narrow tile's whole-wave splits would leave each of its programs
+    less kv than two of the wide tile's kv tiles. A wgmma tile a quarter full still streams kv
+    faster than the narrow Triton tiles (H100, 16 heads x q_len 1: 128 x 1k 67.4 -> 59.2 us, 8 x
+    16k 68.6 -> 62.5 us, 1 x 16k 19.4 -> 16.7 us; x q_len 2: 1.1-1.5x, e.g. 32 x 4k 89.6 -> 67.8
+    us), but it starts slower (its query and two kv tiles before the first product), so on short
+    chunks the 16-row tile stays faster (1 x 1k x q_len 1: 8.4 us against 11.1; 8 x 1k, 32-row
+    chunks: 10.7 against 12.4).
 
     The tile is tile_shape's, halved (query tokens first, then heads) down to 16 rows while even
     the most splits its kv allows would give it less than a quarter wave of programs: such a
@@ -128,9 +131,11 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
 
     tile = tile_shape(num_heads, max_q_len)
     if wide_tiles and tile.rows < MAX_ROWS:
+        config, slots, per_split, min_chunk, cap = waves(tile)
+        narrow_chunk = chunk_len(max_kv_len, _whole_wave_splits(slots, per_split, cap), config.block_n, min_chunk)
         wide = TileShape(tile.block_h, MAX_ROWS // tile.block_h)
-        _, slots, per_split, _, cap = waves(wide)
-        if 4 * per_split * cap >= slots:
+        wide_config, slots, per_split, _, cap = waves(wide)
+        if 4 * per_split * cap >= slots and narrow_chunk >= 2 * wide_config.block_n:
             tile = wide
     config, slots, per_split, min_chunk, cap = waves(tile)
     while tile.rows > 16 and 4 * per_split * cap < slots:
@@ -140,14 +145,18 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     return LaunchPlan(tile, config, used_splits(max_kv_len, num_splits, config.block_n, min_chunk))
 
 
+def chunk_len(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int:
+    """Rows of each split's chunk of a sequence of kv_len rows, as the kernel cuts it (chunk_bounds):
+    a whole number of block_n tiles, at least min_chunk."""
+    return max(math.ceil(math.ceil(kv_len / num_splits) / block_n) * block_n, min_chunk)
+
+
 def used_splits(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int:
-    """How many of num_splits chunks a sequence of kv_len rows fills: the kernel (chunk_bounds) cuts
-    it into chunks of a whole number of block_n tiles, at least min_chunk rows, so the last splits
-    of a count that does not divide it evenly stay empty (1 x 16k x 128 heads: 66 splits of 256
-    rows fill 64), and their programs and the reduce's second pass over them are wasted (H100:
-    20.8 -> 19.5 us at 64)."""
-    chunk = max(math.ceil(math.ceil(kv_len / num_splits) / block_n) * block_n, min_chunk)
-    return max(1, min(num_splits, math.ceil(kv_len / chunk)))
+    """How many of num_splits chunks (chunk_len) a sequence of kv_len rows fills: the last splits of
+    a count that does not divide it evenly stay empty (1 x 16k x 128 heads: 66 splits of 256 rows
+    fill 64), and their programs and the reduce's second pass over them are wasted (H100: 20.8 ->
+    19.5 us at 64)."""
+    return max(1, min(num_splits, math.ceil(kv_len / chunk_len(kv_len, num_splits, block_n, min_chunk))))
 
 
 def _whole_wave_splits(slots: int, per_split: int, cap: int) -> int:

@@ -182,12 +182,16 @@ def test_plan_launch_widens_narrow_tiles_for_the_wgmma_kernel_unless_latency_bou
     assert splits(8, 16, 1, 16384, 132) != plan_launch(8, 16, 1, 16384, 132, wide_tiles=True).num_splits
     assert tile(128, 16, 1, 1024, 132) == (16, 4)
     assert tile(1, 16, 1, 16384, 132) == (16, 4)  # 128 splits of 128 rows: enough programs
-    assert tile(4, 16, 2, 4096, 132) == (16, 4)
+    assert tile(32, 16, 2, 4096, 132) == (16, 4)
     assert tile(8, 32, 1, 4096, 132) == (32, 2)
+    assert tile(8, 16, 1, 4096, 132) == (16, 4)  # the narrow tile's 33 splits: 128-row chunks
     # Latency-bound (under a quarter wave even at 64 rows): the narrow tile, as without wgmma.
     assert tile(1, 16, 1, 1024, 132) == (16, 1)
     assert tile(1, 16, 1, 4096, 132) == (16, 1)
     assert tile(1, 16, 2, 1024, 132) == tile(1, 16, 2, 1024, 132, wide_tiles=False)
+    # The narrow tile's whole wave cuts the kv into chunks shorter than two 64-row tiles: narrow.
+    assert tile(8, 16, 1, 1024, 132) == (16, 1)  # 32 splits of 32 rows
+    assert tile(4, 16, 2, 4096, 132) == (16, 2)  # 64 splits of 64 rows
     # Without the wgmma kernel, or with 64-row tiles of several row blocks a request: unchanged.
     assert tile(8, 16, 1, 16384, 132, wide_tiles=False) == (16, 1)
     for sizes in ((8, 128, 1, 4096, 132), (1, 128, 1, 1024, 132), (8, 128, 4, 4096, 132)):
@@ -213,8 +217,8 @@ def test_plan_launch_fills_a_whole_wave_with_16bit_partials_split_down_to_one_kv
     # 1 x 1k x 128 heads x q_len 4: 8 row blocks x 16 chunks of 64 rows (fp32 partials stopped at 8 of 128).
     assert plan_launch(1, 128, 4, 1024, 132, wide_tiles=True).num_splits == 16
     # A widened tile (16 heads x q_len 1, 48 rows of no query) keeps fp32 partials and 128-row chunks.
-    plan = plan_launch(8, 16, 1, 1024, 132, wide_tiles=True)
-    assert plan.tile == TileShape(16, 4) and plan.num_splits == 1024 // 128
+    plan = plan_launch(8, 16, 1, 4096, 132, wide_tiles=True)
+    assert plan.tile == TileShape(16, 4) and plan.num_splits == 16 and min_split_len(plan.tile, narrow=False) == 128
 
 
 def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
