@@ -405,15 +405,14 @@ def test_draft_extend_variable_q_len(num_heads):
 def test_nan_past_each_length_stays_out(num_heads, q_len):
     """Cache rows past each request's length (inside its last page) hold NaN: the 64-row wgmma
     tile, whose TMA copies whole pages, must keep them out of P @ V. 16 and 32 heads x q_len 1
-    reach it widened (three of every four, or every other, query slot empty)."""
-    args, q = make_inputs([1, 70, 1000, 4095], [q_len] * 4, num_heads, 64, "cuda")
+    reach it widened (three of every four, or every other, query slot empty): at 8k the narrow
+    tiles' whole-wave chunks would hold two 64-row kv tiles."""
+    args, q = make_inputs([1, 70, 1000, 8191], [q_len] * 4, num_heads, 64, "cuda")
     kv, bt = args["kv_cache"], args["block_tables"].cpu()
     for b, n in enumerate(args["seq_lens"].tolist()):
         kv[bt[b, (n - 1) // 64], (n - 1) % 64 + 1:] = float("nan")
-    if torch.cuda.get_device_capability()[0] == 9:
-        assert triton_mla_wgmma.supports(args["q"], kv)
-        max_kv_len = bt.shape[1] * 64
-        assert plan_launch(4, num_heads, q_len, max_kv_len, 132, wide_tiles=True).tile.rows == 64
+    if torch.cuda.get_device_capability()[0] == 9:  # the launch runs the 64-row wgmma kernel
+        assert plan_for(args["q"], kv, args["block_tables"], q)[1].wgmma
     check(args, q)
     check(args, q, num_splits=3)
 
