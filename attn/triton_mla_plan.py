@@ -130,14 +130,14 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
         return config, programs_per_sm(tile, config) * num_sms, per_split, min_chunk, cap
 
     tile = tile_shape(num_heads, max_q_len)
+    config, slots, per_split, min_chunk, cap = waves(tile)
     if wide_tiles and tile.rows < MAX_ROWS:
-        config, slots, per_split, min_chunk, cap = waves(tile)
         narrow_chunk = chunk_len(max_kv_len, _whole_wave_splits(slots, per_split, cap), config.block_n, min_chunk)
         wide = TileShape(tile.block_h, MAX_ROWS // tile.block_h)
-        wide_config, slots, per_split, _, cap = waves(wide)
-        if 4 * per_split * cap >= slots and narrow_chunk >= 2 * wide_config.block_n:
-            tile = wide
-    config, slots, per_split, min_chunk, cap = waves(tile)
+        wide_waves = waves(wide)
+        wide_config, wide_slots, wide_per_split, _, wide_cap = wide_waves
+        if 4 * wide_per_split * wide_cap >= wide_slots and narrow_chunk >= 2 * wide_config.block_n:
+            tile, (config, slots, per_split, min_chunk, cap) = wide, wide_waves
     while tile.rows > 16 and 4 * per_split * cap < slots:
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
         config, slots, per_split, min_chunk, cap = waves(tile)

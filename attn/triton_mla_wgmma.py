@@ -2,9 +2,9 @@
 
 Same contract as ``_mla_attention_kernel`` in attn/triton_mla_kernel.py (which launches it), for
 the tiles where that kernel is compute-bound: 64 (query token x head) rows, a 16-bit cache whose
-pages hold whole 64-row kv tiles, and a query and cache whose rows TMA can address, on SM90. Triton's own lowering of that tile keeps the query in
-registers next to the [64, 512] fp32 accumulator and spills; here the roles follow FlashInfer
-FA3-MLA's, spelled out:
+pages hold whole 64-row kv tiles, a query and a cache whose rows TMA can address, on SM90.
+Triton's own lowering of that tile keeps the query in registers next to the [64, 512] fp32
+accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
 
 - the query tile ([64, 512] + [64, 64] bf16) arrives by TMA, a box of one token's heads per query
   token (``q_ready``), and sits in shared memory for the whole program;
@@ -188,8 +188,8 @@ def _staging(smem):
 
 
 @_jit
-def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done, row_smem,
-                       mask_ptr, b, stride_mb, stride_mq,
+def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
+                       row_smem, mask_ptr, b, stride_mb, stride_mq,
                        q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
                        o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                        NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
@@ -322,7 +322,9 @@ def _mla_wgmma_kernel(
     PDL: gl.constexpr,
 ):
     """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel. Loads the query
-    tile and then the first kv tiles, and forks into the two warpgroup roles. PDL: the shared memory and barriers are set up before it waits for the kernel before it."""
+    tile and then the first kv tiles, and forks into the two warpgroup roles. PDL: a programmatic
+    dependent launch, which sets up its shared memory and barriers, then waits for the kernel
+    before it ahead of its first load."""
     gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
     gl.static_assert(q_nope_desc.block_type.shape[0] == BLOCK_H)  # a query box: one token's heads
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
