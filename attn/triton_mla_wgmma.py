@@ -68,8 +68,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     [rows, 576] rows (_flat_rows)."""
     if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    num_pages, page_size, _ = kv_cache.shape
-    return (kv_cache.dtype == q.dtype and page_size % BLOCK_N == 0
+    return (kv_cache.dtype == q.dtype and kv_cache.shape[1] % BLOCK_N == 0
             and _flat_rows(kv_cache) is not None and _flat_rows(q) is not None)
 
 

@@ -148,7 +148,7 @@ def test_used_splits_counts_the_chunks_a_sequence_fills():
     assert used_splits(0, 8, 64, 64) == 1 and used_splits(100, 1, 32, 32) == 1
     for kv_len, num_splits, block_n, min_chunk in ((4097, 33, 64, 64), (1024, 7, 32, 32), (777, 128, 16, 64)):
         used = used_splits(kv_len, num_splits, block_n, min_chunk)
-        chunk = max(-(-(-(-kv_len // num_splits)) // block_n) * block_n, min_chunk)
+        chunk = max(-(-kv_len // (num_splits * block_n)) * block_n, min_chunk)  # whole tiles, rounded up
         assert used <= num_splits and (used - 1) * chunk < kv_len <= used * chunk  # every used chunk holds rows
 
 
