@@ -7,15 +7,21 @@ KV bytes = tokens * 576 * 2 and FLOPs = tokens * heads * q_len * 1088 * 2.
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep]
 
-Prints a table, writes it as CSV next to the PNG. --sweep also times alternative launch
-configurations and split counts of the Triton kernel (for retuning select_config/plan_launch).
+Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
+power that nvidia-smi reads while our kernel's graph replays for half a second (sustained_clock).
+--sweep also times alternative launch configurations and split counts of the Triton kernel (for
+retuning select_config/plan_launch).
 """
 
 import argparse
 import csv
 import itertools
 import math
+import re
+import shutil
 import statistics
+import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -48,8 +54,8 @@ def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / min(times)
 
 
-def graph_time_us(calls: list, min_calls: int = 200) -> float:
-    """Median microseconds per call of `calls` (closures) captured back to back in one graph."""
+def capture(calls: list) -> torch.cuda.CUDAGraph:
+    """`calls` (closures) run once on a side stream, then captured back to back in one graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -62,6 +68,12 @@ def graph_time_us(calls: list, min_calls: int = 200) -> float:
             call()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_time_us(calls: list, min_calls: int = 200) -> float:
+    """Median microseconds per call of `calls` (closures) captured back to back in one graph."""
+    graph = capture(calls)
     replays = max(3, math.ceil(min_calls / len(calls)))
     samples = []
     for _ in range(3):
@@ -74,6 +86,36 @@ def graph_time_us(calls: list, min_calls: int = 200) -> float:
         samples.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
     del graph
     return statistics.median(samples)
+
+
+def sustained_clock(calls: list, seconds: float = 0.5) -> tuple[float, float]:
+    """Median SM clock (MHz) and board power (W) that nvidia-smi reads while the graph of `calls`
+    replays back to back for `seconds`; NaN where nvidia-smi is missing or reads nothing.
+
+    Under load the H100 here holds its 700 W cap by lowering the SM clock (128 heads, 128 x 16k:
+    a median of 1.41 GHz of its 1.98), which the roofline's fixed 790 TFLOP/s does not see: the
+    columns say how far below its own peak a row ran."""
+    nan = (float("nan"), float("nan"))
+    if shutil.which("nvidia-smi") is None:
+        return nan
+    graph = capture(calls)
+    smi = subprocess.Popen(
+        ["nvidia-smi", "-i", f"GPU-{torch.cuda.get_device_properties().uuid}",
+         "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "25"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()  # a short queue: the load ends when the sampling does
+    smi.terminate()
+    lines = smi.communicate()[0].splitlines()
+    del graph
+    # The first readings may predate the load.
+    samples = [[float(v) for v in line.split(",")] for line in lines[2:] if re.fullmatch(r"[\d.]+, [\d.]+", line)]
+    if not samples:
+        return nan
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
 
 
 class Case:
@@ -140,14 +182,15 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     ours_calls[0]()
     ours = case.out.clone()
     ours_us = graph_time_us(ours_calls)
+    sm_mhz, watts = sustained_clock(ours_calls)
     roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
     plan, config = plan_for(case.q, case.kv_pool[0], case.block_tables, case.q_len)
     row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
                tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
                kernel="wgmma" if config.wgmma else "triton",
                triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
-               frac_roofline=roof_us / ours_us, fa3_us=float("nan"), fa3_frac=float("nan"),
-               speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))
+               frac_roofline=roof_us / ours_us, sm_mhz=sm_mhz, watts=watts, fa3_us=float("nan"),
+               fa3_frac=float("nan"), speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))
     if with_fa3:
         try:
             calls, fa3_out, _wrapper = fa3_calls(case)
@@ -161,10 +204,11 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     return row
 
 
-COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads", "{:>5}"), ("tile", "{:>5}"), ("splits", "{:>6}"), ("kernel", "{:>6}"),
+COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads", "{:>5}"), ("tile", "{:>5}"),
+           ("splits", "{:>6}"), ("kernel", "{:>6}"),
            ("triton_us", "{:>9.1f}"), ("gb_s", "{:>7.0f}"), ("roofline_us", "{:>11.1f}"),
-           ("frac_roofline", "{:>13.2f}"), ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.2f}"),
-           ("speedup_vs_fa3", "{:>14.2f}"), ("max_diff_vs_fa3", "{:>15.4f}")]
+           ("frac_roofline", "{:>13.2f}"), ("sm_mhz", "{:>6.0f}"), ("watts", "{:>5.0f}"), ("fa3_us", "{:>8.1f}"),
+           ("fa3_frac", "{:>8.2f}"), ("speedup_vs_fa3", "{:>14.2f}"), ("max_diff_vs_fa3", "{:>15.4f}")]
 
 
 def print_row(row: dict | None) -> None:
