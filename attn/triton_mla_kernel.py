@@ -427,7 +427,7 @@ def _launch(
         triton_mla_wgmma._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
             *q_descs, *kv_descs, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
             block_tables.stride(0), *scalars,
-            **constants, NUM_STAGES=config.num_stages,
+            **constants, NUM_STAGES=config.num_stages, KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
             num_warps=triton_mla_wgmma.NUM_WARPS, launch_pdl=pdl,
         )
     else:

@@ -170,8 +170,8 @@ def _whole_wave_splits(slots: int, per_split: int, cap: int) -> int:
 
 def launch_config(plan: LaunchPlan, wgmma: bool) -> KernelConfig:
     """The plan's config, on the Gluon wgmma kernel where it serves the tile: 64 rows, and
-    ``wgmma`` (triton_mla_wgmma.supports: SM90, a 16-bit cache in q's dtype, pages of whole
-    64-row kv tiles). On an H100 its first version was 1.1-1.5x faster than the Triton tile
+    ``wgmma`` (triton_mla_wgmma.supports: SM90, a cache in q's 16-bit dtype or fp8, pages of
+    whole 64-row kv tiles). On an H100 its first version was 1.1-1.5x faster than the Triton tile
     there; warp specialisation gained up to 1.45x more at 128 heads (0.98-1.06x at 16 heads x
     q_len 4)."""
     if wgmma and plan.tile.rows == triton_mla_wgmma.BLOCK_M:
@@ -205,7 +205,7 @@ def select_config(tile: TileShape) -> KernelConfig:
     and 8 warps. 64 rows: wgmma; the [64, 512] fp32 accumulator needs 8 warps (128 registers a
     thread) and 64-row kv tiles use two ~72 KB shared-memory buffers.
 
-    On SM90 a 64-row tile over a 16-bit cache with 64-row-aligned pages runs the Gluon kernel
+    On SM90 a 64-row tile over a 16-bit or fp8 cache with 64-row-aligned pages runs the Gluon kernel
     instead (launch_config; attn/triton_mla_wgmma.py), with the same block_n and num_stages.
 
     v_split=2 (two programs per 64-row tile, each computing all of QK^T for 256 output dims;

@@ -1,8 +1,9 @@
 """The 64-row MLA attention tile for Hopper, written in Gluon: TMA-fed, warp-specialised wgmma.
 
 Same contract as ``_mla_attention_kernel`` in attn/triton_mla_kernel.py (which launches it), for
-the tiles where that kernel is compute-bound: 64 (query token x head) rows, a 16-bit cache whose
-pages hold whole 64-row kv tiles, a query and a cache whose rows TMA can address, on SM90.
+the tiles where that kernel is compute-bound: 64 (query token x head) rows, a cache in the
+query's 16-bit dtype or fp8 e4m3 whose pages hold whole 64-row kv tiles, a query and a cache whose
+rows TMA can address, on SM90.
 Triton's own lowering of that tile keeps the query in registers next to the [64, 512] fp32
 accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
 
@@ -27,9 +28,16 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
   72 us). fp32 partials are stored from the wgmma layout, which fills whole sectors.
 - Every wgmma is waited for where it is issued: one left in flight across other code made ptxas
   serialise all of them (warning C7515), which cost ~25% at 128 heads.
+- An fp8 cache (KV_FP8) lands in two fp8 slots of 36 KB and one 16-bit compute stage takes the
+  second 72 KB: warpgroup 1 widens each tile into it (``widened``, _widen: exact, NaN kept) once
+  warpgroup 0's PV of the tile before is off it, then refills the slot. The widening is not
+  overlapped with the products (no room for a second 16-bit stage); H100, against the Triton
+  tile that served fp8 before: 32 x 4k x 128 heads 196.9 -> 125.3 us, 8 x 4k x 128 heads x q_len
+  4 200.4 -> 122.7, 128 x 4k x 16 heads x q_len 4 400.8 -> 233.1 (bf16 on this tile: 72.6, 64.7,
+  211.5).
 
-Shared memory: 72 KB query + 2 x 72 KB kv, one program per SM; no spills
-(tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
+Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
+SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
 """
 
 from __future__ import annotations
@@ -58,17 +66,17 @@ NUM_WARPS = 4  # the softmax warpgroup; the PV warpgroup is a 4-warp worker on t
 D_NOPE = 512
 D_PE = 64
 # The same sizes as kernel-visible constants; each warpgroup accumulates half of the output dims.
-_constexpr = gl.constexpr if gluon is not None else int
+_constexpr = gl.constexpr if gluon is not None else (lambda value: value)
 _BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _constexpr(D_PE), _constexpr(D_NOPE // 2)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether this tile can serve a launch: Gluon present, an SM90 device, a cache in q's 16-bit
-    dtype whose pages hold whole kv tiles, and a cache and a query that flatten to TMA-addressable
-    [rows, 576] rows (_flat_rows)."""
+    dtype or fp8 e4m3 whose pages hold whole kv tiles, and a cache and a query that flatten to
+    TMA-addressable [rows, 576] rows (_flat_rows)."""
     if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return (kv_cache.dtype == q.dtype and kv_cache.shape[1] % BLOCK_N == 0
+    return (kv_cache.dtype in (q.dtype, torch.float8_e4m3fn) and kv_cache.shape[1] % BLOCK_N == 0
             and _flat_rows(kv_cache) is not None and _flat_rows(q) is not None)
 
 
@@ -88,7 +96,7 @@ def row_descriptors(x: torch.Tensor, box_rows: int) -> tuple:
     [T, H, 576]: row token * H + head) that ``supports`` accepts, box_rows rows a box."""
     flat = _flat_rows(x)
     rows = flat.shape[0]
-    dtype = gl.bfloat16 if flat.dtype == torch.bfloat16 else gl.float16
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[flat.dtype]
     nope_layout = gl.NVMMASharedLayout.get_default_for([box_rows, D_NOPE], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([box_rows, D_PE], dtype)
     nope = TensorDescriptor(flat, [rows, D_NOPE], [flat.stride(0), 1], [box_rows, D_NOPE], nope_layout)
@@ -187,6 +195,56 @@ def _staging(smem):
 
 
 @_jit
+def _widen_tile(src_nope, src_pe, dst_nope, dst_pe):
+    """An fp8 kv tile ([BLOCK_N, 512] + [BLOCK_N, 64] in its landing slot) into the 16-bit compute
+    stage, 128 latent columns (one swizzle row of the fp8 slot) at a time: 64 values a thread."""
+    nope_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+                                                 warps_per_cta=[4, 1], order=[1, 0])
+    pe_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                               warps_per_cta=[4, 1], order=[1, 0])
+    for c in gl.static_range(_D_NOPE // 128):
+        part = src_nope.slice(c * 128, 128, dim=1).load(nope_layout)
+        dst_nope.slice(c * 128, 128, dim=1).store(_widen(part, dst_nope.dtype))
+    dst_pe.store(_widen(src_pe.load(pe_layout), dst_pe.dtype))
+
+
+# e4m3 -> bf16, four values ($2, a byte each) into two bf16 pairs ($0, $1), in integer operations
+# and one bf16 multiply: a byte b placed as the high byte of a 16-bit half and shifted right by 4
+# is the bf16 of sign-less b times 2^-120 (exponent and mantissa bits in place; e4m3 subnormals
+# land on bf16 subnormals, which the multiply keeps), times 2^120 (0x7b80) is the value; the
+# sign bit is put back, and 0x7f (NaN in e4m3fn, 480 by this formula) becomes NaN. The cast
+# Triton emits goes through fp16 one value at a time: ~2 us per 64-row tile on an H100.
+_E4M3_TO_BF16 = _constexpr("""{
+.reg .b32 q, t, m, k, n, c;
+prmt.b32 q, $2, $2, 0x1302;
+mov.b32 k, 0x7b807b80;
+mov.b32 n, 0x07f007f0;
+and.b32 t, q, 0x7f007f00;
+shr.b32 t, t, 4;
+set.eq.u32.bf16x2 m, t, n;
+mul.rn.bf16x2 c, t, k;
+lop3.b32 c, m, 0x7fc07fc0, c, 0xea;
+lop3.b32 $0, q, 0x80008000, c, 0xea;
+shl.b32 q, q, 8;
+and.b32 t, q, 0x7f007f00;
+shr.b32 t, t, 4;
+set.eq.u32.bf16x2 m, t, n;
+mul.rn.bf16x2 c, t, k;
+lop3.b32 c, m, 0x7fc07fc0, c, 0xea;
+lop3.b32 $1, q, 0x80008000, c, 0xea;
+}""")
+
+
+@_jit
+def _widen(x, dtype: gl.constexpr):
+    """fp8 e4m3 values x in a 16-bit dtype, exactly (fp16: Triton's cast, one instruction a pair)."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(gl.uint8, bitcast=True)],
+                                         dtype=gl.bfloat16, is_pure=True, pack=4)
+    return x.to(dtype)
+
+
+@_jit
 def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
                        row_smem, mask_ptr, b, stride_mb, stride_mq,
                        q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
@@ -273,15 +331,19 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
 
 
 @_jit
-def _pv_partition(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done, row_smem,
-                  bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
-                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv_pe_smem, ready, widened, p_ready,
+                  a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start,
+                  q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                   PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
-                  DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr):
+                  DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr):
     """Warpgroup 1: per kv tile, once P is written, rescale and accumulate PV for output dims
     256-511, then load the tile NUM_STAGES ahead into the stage once warpgroup 0's PV is off it
     too (it is otherwise idle, so the copy goes out as early as it can); then normalise with
-    warpgroup 0's row sums and store."""
+    warpgroup 0's row sums and store.
+
+    KV_FP8: the copies land in NUM_LOADS fp8 slots (land_nope, land_pe) and the one compute stage
+    is 16-bit: first, once warpgroup 0's PV is off the stage, widen the tile into it (``widened``),
+    and refill its slot with the tile NUM_LOADS ahead."""
     _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _D_HALF, 16])
@@ -289,8 +351,19 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_r
     acc = gl.zeros([_BLOCK_M, _D_HALF], gl.float32, o_layout)
     for j in range(num_tiles):
         stage = j % NUM_STAGES
-        refill = j + NUM_STAGES < num_tiles
-        page = gl.load(bt_row_ptr + (lo + (j + NUM_STAGES) * _BLOCK_N) // PAGE_SIZE, mask=refill, other=0)
+        refill = j + NUM_LOADS < num_tiles
+        page = gl.load(bt_row_ptr + (lo + (j + NUM_LOADS) * _BLOCK_N) // PAGE_SIZE, mask=refill, other=0)
+        if KV_FP8:
+            slot = j % NUM_LOADS
+            mbarrier.wait(ready.index(slot), (j // NUM_LOADS) & 1)
+            mbarrier.wait(a_free.index(stage), (j - 1) & 1, pred=j > 0)
+            _widen_tile(land_nope.index(slot), land_pe.index(slot), kv_nope_smem.index(stage),
+                        kv_pe_smem.index(stage))
+            fence_async_shared()  # the stage, before warpgroup 0's wgmma reads it
+            gl.thread_barrier()
+            mbarrier.arrive(widened.index(stage), count=1)
+            _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, slot, page,
+                       lo + (j + NUM_LOADS) * _BLOCK_N, refill, PAGE_SIZE)
         mbarrier.wait(p_ready.index(stage), (j // NUM_STAGES) & 1)
         alpha = row_smem.index(stage).load(row_l)
         acc = acc * alpha[:, None]
@@ -298,9 +371,10 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_r
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
-        mbarrier.wait(a_free.index(stage), (j // NUM_STAGES) & 1, pred=refill)
-        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage, page,
-                   lo + (j + NUM_STAGES) * _BLOCK_N, refill, PAGE_SIZE)
+        if not KV_FP8:
+            mbarrier.wait(a_free.index(stage), (j // NUM_STAGES) & 1, pred=refill)
+            _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage, page,
+                       lo + (j + NUM_STAGES) * _BLOCK_N, refill, PAGE_SIZE)
     mbarrier.wait(done, 0)
     l_i = row_smem.index(NUM_STAGES).load(row_l)
     m_i = row_smem.index(NUM_STAGES + 1).load(row_l)
@@ -318,7 +392,7 @@ def _mla_wgmma_kernel(
     num_splits, mask_len, qk_scale, v_scale,
     PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
     MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PDL: gl.constexpr,
+    KV_FP8: gl.constexpr, PDL: gl.constexpr,
 ):
     """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel. Loads the query
     tile and then the first kv tiles, and forks into the two warpgroup roles. PDL: a programmatic
@@ -330,21 +404,37 @@ def _mla_wgmma_kernel(
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
     gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
     gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
-    dtype: gl.constexpr = kv_nope_desc.dtype
+    dtype: gl.constexpr = q_nope_desc.dtype
+    # An fp8 cache: NUM_STAGES fp8 landing slots for the copies and one 16-bit compute stage,
+    # which warpgroup 1 widens each tile into (two 16-bit stages and fp8 slots do not fit).
+    STAGES: gl.constexpr = 1 if KV_FP8 else NUM_STAGES
 
     q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_desc.layout)
     q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_desc.layout)
-    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE], kv_nope_desc.layout)
-    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
+    # The query's layouts are those of any 16-bit [rows, 512] / [rows, 64] tile.
+    kv_nope_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_N, _D_NOPE], q_nope_desc.layout)
+    kv_pe_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_N, _D_PE], q_pe_desc.layout)
     # Per-row floats: a rescale factor per stage, then the final row sums and maxima.
-    row_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES + 2, _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    row_smem = gl.allocate_shared_memory(gl.float32, [STAGES + 2, _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    a_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # ``widened``: a compute stage holds its tile (with a 16-bit cache, the copy itself).
+    if KV_FP8:
+        land_nope = gl.allocate_shared_memory(kv_nope_desc.dtype, [NUM_STAGES, _BLOCK_N, _D_NOPE],
+                                              kv_nope_desc.layout)
+        land_pe = gl.allocate_shared_memory(kv_pe_desc.dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
+        widened = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(widened.index(0), count=1)
+    else:
+        land_nope = kv_nope_smem
+        land_pe = kv_pe_smem
+        widened = ready
+    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(a_free.index(i), count=1)
     mbarrier.init(done, count=1)
@@ -373,17 +463,17 @@ def _mla_wgmma_kernel(
                 num_tiles, NUM_HEADS, BLOCK_H, BLOCK_Q)
     for i in gl.static_range(NUM_STAGES):
         page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
-        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, i, page, lo + i * _BLOCK_N,
+        _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, i, page, lo + i * _BLOCK_N,
                    i < num_tiles, PAGE_SIZE)
     gl.warp_specialize([
-        (_softmax_partition, (q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
-                              row_smem, mask_ptr, b, stride_mb, stride_mq,
+        (_softmax_partition, (q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, widened, p_ready, a_free,
+                              done, row_smem, mask_ptr, b, stride_mb, stride_mq,
                               q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len,
                               qk_scale, o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt,
                               stride_lh, v_scale, NUM_HEADS, BLOCK_H, BLOCK_Q, HAS_MASK, DIRECT,
-                              NUM_STAGES)),
-        (_pv_partition, (kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
-                         row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start, q_len,
-                         split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
-                         PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, NUM_STAGES)),
+                              STAGES)),
+        (_pv_partition, (kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv_pe_smem, ready, widened,
+                         p_ready, a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block,
+                         h_block, q_start, q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                         v_scale, PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, STAGES, NUM_STAGES, KV_FP8)),
     ], [4], [232])

@@ -20,32 +20,35 @@ H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
 needs_gluon = pytest.mark.skipif(triton_mla_wgmma.gluon is None, reason="needs Triton with Gluon")
 
 
-def _descriptor_type(block_shape: list[int]) -> str:
+def _descriptor_type(block_shape: list[int], dtype: str = "bf16") -> str:
     from triton.experimental.gluon import language as gl
 
-    layout = gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16)
-    return f"tensordesc<bf16[{block_shape[0]}, {block_shape[1]}],{layout!r}>"
+    gl_dtype = {"bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
+    return f"tensordesc<{dtype}[{block_shape[0]}, {block_shape[1]}],{layout!r}>"
 
 
 def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, block_n: int, num_stages: int,
-                 out_dtype: str):
+                 out_dtype: str, kv_fp8: bool = False):
     """Compile the kernel as _launch would launch it, writing ``out_dtype`` ("bf16" or "fp32": the
-    output or the split partials): (compiled kernel, its PTX, the ptxas path)."""
+    output or the split partials), over a bf16 or (kv_fp8) fp8 cache: (compiled kernel, its PTX,
+    the ptxas path)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    kv_dtype = "fp8e4nv" if kv_fp8 else "bf16"
     ints = ["stride_bt", "stride_mb", "stride_mq", "stride_ot", "stride_oh", "stride_os",
             "stride_lt", "stride_lh", "num_splits", "mask_len"]
     signature = dict(q_nope_desc=_descriptor_type([tile.block_h, 512]), q_pe_desc=_descriptor_type([tile.block_h, 64]),
-                     kv_nope_desc=_descriptor_type([block_n, 512]),
-                     kv_pe_desc=_descriptor_type([block_n, 64]), bt_ptr="*i32", seq_lens_ptr="*i32",
+                     kv_nope_desc=_descriptor_type([block_n, 512], kv_dtype),
+                     kv_pe_desc=_descriptor_type([block_n, 64], kv_dtype), bt_ptr="*i32", seq_lens_ptr="*i32",
                      cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr=f"*{out_dtype}",
                      lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32")
     constants = dict(PAGE_SIZE=64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
                      MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages,
-                     PDL=True)
+                     KV_FP8=kv_fp8, PDL=True)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -55,19 +58,22 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
 
 
 @needs_gluon
-@pytest.mark.parametrize("num_heads, q_len, has_mask, direct", [
-    (128, 1, False, False),  # decode, 16-bit split-KV partials
-    (16, 4, True, True),  # tree verify, one split
-    (128, 4, False, True),  # causal verify
-    (16, 1, False, False),  # widened decode: a quarter of the rows queries, fp32 partials
+@pytest.mark.parametrize("num_heads, q_len, has_mask, direct, kv_fp8", [
+    (128, 1, False, False, False),  # decode, 16-bit split-KV partials
+    (16, 4, True, True, False),  # tree verify, one split
+    (128, 4, False, True, False),  # causal verify
+    (16, 1, False, False, False),  # widened decode: a quarter of the rows queries, fp32 partials
+    (128, 1, False, False, True),  # fp8 cache: decode
+    (16, 4, True, True, True),  # fp8 cache: tree verify
 ])
-def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct):
+def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct,
+                                                                 kv_fp8):
     tile = TileShape(min(num_heads, 64), 64 // min(num_heads, 64))
     assert tile.rows == triton_mla_wgmma.BLOCK_M
     config = launch_config(LaunchPlan(tile, select_config(tile), 1), wgmma=True)
     out_dtype = "bf16" if direct or narrow_partials(config, num_heads, q_len) else "fp32"
     kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, kv_fp8=kv_fp8)
     assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
     (tmp_path / "k.ptx").write_text(ptx)
     report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
@@ -115,3 +121,29 @@ def test_flat_rows_only_where_tma_can_address_them():
     one_token = torch.zeros(2, 16, 576, dtype=torch.bfloat16)[:1]
     assert triton_mla_wgmma._flat_rows(one_token.as_strided((1, 16, 576), (10**6, 576, 1))) is not None
     assert triton_mla_wgmma._flat_rows(torch.zeros(4, 64, 576, dtype=torch.bfloat16)).shape == (256, 576)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs an SM90+ device")
+@needs_gluon
+def test_fp8_tiles_widen_to_bf16_exactly():
+    """Every e4m3fn code (subnormals, both zeros, 448, NaN) through the kernel's widening to bf16,
+    bit for bit against torch's conversion."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def widen_kernel(x_ptr, y_ptr, N: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[1],
+                                                order=[0])
+        offs = gl.arange(0, N, layout=layout)
+        gl.store(y_ptr + offs, triton_mla_wgmma._widen(gl.load(x_ptr + offs), gl.bfloat16))
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+    widen_kernel[(1,)](codes, out, N=256, num_warps=1)
+    expected = codes.to(torch.bfloat16)
+    nan = expected.isnan()
+    assert nan.sum() == 2 and out[nan].isnan().all()
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
