@@ -28,13 +28,17 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
   72 us). fp32 partials are stored from the wgmma layout, which fills whole sectors.
 - Every wgmma is waited for where it is issued: one left in flight across other code made ptxas
   serialise all of them (warning C7515), which cost ~25% at 128 heads.
-- An fp8 cache (KV_FP8) lands in two fp8 slots of 36 KB and one 16-bit compute stage takes the
-  second 72 KB: warpgroup 1 widens each tile into it (``widened``, _widen: exact, NaN kept) once
-  warpgroup 0's PV of the tile before is off it, then refills the slot. The widening is not
-  overlapped with the products (no room for a second 16-bit stage); H100, against the Triton
-  tile that served fp8 before: 32 x 4k x 128 heads 196.9 -> 125.3 us, 8 x 4k x 128 heads x q_len
-  4 200.4 -> 122.7, 128 x 4k x 16 heads x q_len 4 400.8 -> 233.1 (bf16 on this tile: 72.6, 64.7,
-  211.5).
+- An fp8 cache (KV_FP8) lands in two fp8 slots of 36 KB and one fp16 compute stage takes the
+  second 72 KB: warpgroup 1 widens each tile into it (``widened``; e4m3 -> fp16 is exact and one
+  instruction a pair, where bf16 needs several) once warpgroup 0's PV of the tile before is off
+  it, then refills the slot. Warpgroup 0 rewrites a bf16 query tile as fp16 times Q_FP16_SCALE
+  (_query_to_fp16) and divides the score scale by it. The widening is not overlapped with the
+  products (no room for a second 16-bit stage). H100, against the Triton tile that served fp8
+  before (and bf16 on this tile): 128 x 4k x 16 heads x q_len 4 400.8 -> 181.6 us (211.4), 8 x
+  16k x 16 heads x q_len 4 117.4 -> 55.4 (65.3), 32 x 4k x 128 heads 196.9 -> 100.1 (73.0), 8 x
+  4k x 128 heads x q_len 4 200.4 -> 99.0 (64.6). Widened to bf16 instead, 32 x 4k x 128 heads
+  took 125.3 us by bit moves and a bf16 multiply, 140.1 by Triton's cast (through fp16, then one
+  value at a time).
 
 Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
 SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
@@ -68,6 +72,10 @@ D_PE = 64
 # The same sizes as kernel-visible constants; each warpgroup accumulates half of the output dims.
 _constexpr = gl.constexpr if gluon is not None else (lambda value: value)
 _BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _constexpr(D_PE), _constexpr(D_NOPE // 2)
+# A bf16 query scaled into fp16 (for an fp8 cache): exact for magnitudes 2^-6 to 2^24; below,
+# absolute error under 2^-16 (bf16's own rounding of a value near 1 is 2^-9).
+Q_FP16_SCALE = 2.0 ** -8  # 0f3B800000 in _scaled_fp16
+_Q_FP16_SCALE = _constexpr(Q_FP16_SCALE)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -143,7 +151,7 @@ def _load_query(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_block
 
 
 @_jit
-def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
+def _store_half(acc, l_i, m_i, half, smem, o_ptr, lse_ptr, q_block, h_block, q_start, q_len, split,
                 stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr, DIRECT: gl.constexpr,
                 WRITE_LSE: gl.constexpr):
@@ -151,8 +159,8 @@ def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, 
     by the row sums l_i, in o_ptr's dtype; with WRITE_LSE (and split partials) also the rows'
     log2-sum-exp.
 
-    16-bit values (the output, or 16-bit partials) go through ``staging`` (a _staging view of
-    shared memory the warpgroup is done with) into rows a warp writes whole, 8 dims a thread: from
+    16-bit values (the output, or 16-bit partials) go through a _staging view of ``smem`` (shared
+    memory the warpgroup is done with) into rows a warp writes whole, 8 dims a thread: from
     the wgmma layout a warp store writes 4-byte pieces of 8 rows, half-filling every sector it
     touches. fp32 partials fill theirs from the wgmma layout."""
     o_layout: gl.constexpr = acc.type.layout
@@ -163,6 +171,7 @@ def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, 
     if o_ptr.dtype.element_ty.primitive_bitwidth == 16:
         store_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
                                                       warps_per_cta=[4, 1], order=[1, 0])
+        staging = _staging(smem, o_ptr.dtype.element_ty)
         staging.store(o.to(o_ptr.dtype.element_ty))
         gl.thread_barrier()
         o = staging.load(store_layout)
@@ -187,11 +196,11 @@ def _store_half(acc, l_i, m_i, half, staging, o_ptr, lse_ptr, q_block, h_block, 
 
 
 @_jit
-def _staging(smem):
-    """A [64, 256] 16-bit view of at least 33 KB of shared memory, rows padded by 8 elements so
-    that a wgmma-layout store of 8 rows hits distinct banks."""
+def _staging(smem, dtype: gl.constexpr):
+    """A [64, 256] view in 16-bit ``dtype`` of at least 33 KB of shared memory, rows padded by 8
+    elements so that a wgmma-layout store of 8 rows hits distinct banks."""
     layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[_D_HALF, 8]], [_BLOCK_M, _D_HALF], [1, 0])
-    return smem._reinterpret(smem.dtype, [_BLOCK_M, _D_HALF], layout)
+    return smem._reinterpret(dtype, [_BLOCK_M, _D_HALF], layout)
 
 
 @_jit
@@ -204,44 +213,33 @@ def _widen_tile(src_nope, src_pe, dst_nope, dst_pe):
                                                warps_per_cta=[4, 1], order=[1, 0])
     for c in gl.static_range(_D_NOPE // 128):
         part = src_nope.slice(c * 128, 128, dim=1).load(nope_layout)
-        dst_nope.slice(c * 128, 128, dim=1).store(_widen(part, dst_nope.dtype))
-    dst_pe.store(_widen(src_pe.load(pe_layout), dst_pe.dtype))
-
-
-# e4m3 -> bf16, four values ($2, a byte each) into two bf16 pairs ($0, $1), in integer operations
-# and one bf16 multiply: a byte b placed as the high byte of a 16-bit half and shifted right by 4
-# is the bf16 of sign-less b times 2^-120 (exponent and mantissa bits in place; e4m3 subnormals
-# land on bf16 subnormals, which the multiply keeps), times 2^120 (0x7b80) is the value; the
-# sign bit is put back, and 0x7f (NaN in e4m3fn, 480 by this formula) becomes NaN. The cast
-# Triton emits goes through fp16 one value at a time: ~2 us per 64-row tile on an H100.
-_E4M3_TO_BF16 = _constexpr("""{
-.reg .b32 q, t, m, k, n, c;
-prmt.b32 q, $2, $2, 0x1302;
-mov.b32 k, 0x7b807b80;
-mov.b32 n, 0x07f007f0;
-and.b32 t, q, 0x7f007f00;
-shr.b32 t, t, 4;
-set.eq.u32.bf16x2 m, t, n;
-mul.rn.bf16x2 c, t, k;
-lop3.b32 c, m, 0x7fc07fc0, c, 0xea;
-lop3.b32 $0, q, 0x80008000, c, 0xea;
-shl.b32 q, q, 8;
-and.b32 t, q, 0x7f007f00;
-shr.b32 t, t, 4;
-set.eq.u32.bf16x2 m, t, n;
-mul.rn.bf16x2 c, t, k;
-lop3.b32 c, m, 0x7fc07fc0, c, 0xea;
-lop3.b32 $1, q, 0x80008000, c, 0xea;
-}""")
+        dst_nope.slice(c * 128, 128, dim=1).store(part.to(dst_nope.dtype))
+    dst_pe.store(src_pe.load(pe_layout).to(dst_pe.dtype))
 
 
 @_jit
-def _widen(x, dtype: gl.constexpr):
-    """fp8 e4m3 values x in a 16-bit dtype, exactly (fp16: Triton's cast, one instruction a pair)."""
-    if dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(gl.uint8, bitcast=True)],
-                                         dtype=gl.bfloat16, is_pure=True, pack=4)
-    return x.to(dtype)
+def _scaled_fp16(x):
+    """x * Q_FP16_SCALE in fp16, scaled in fp32 first: as plain code the compiler moved the
+    multiply after the narrowing, where values over 65504 overflow."""
+    scaled = gl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3B800000;", "=r,r", [x.to(gl.float32)],
+                                       dtype=gl.float32, is_pure=True, pack=1)
+    return scaled.to(gl.float16)
+
+
+@_jit
+def _query_to_fp16(q_nope_smem, q_pe_smem, layout: gl.constexpr):
+    """Rewrite a 16-bit query tile in place as fp16 times Q_FP16_SCALE; returns its fp16 views."""
+    nope = q_nope_smem._reinterpret(gl.float16, q_nope_smem.shape, q_nope_smem.layout)
+    pe = q_pe_smem._reinterpret(gl.float16, q_pe_smem.shape, q_pe_smem.layout)
+    # Each thread rewrites only the values it read.
+    for c in gl.static_range(_D_NOPE // 64):
+        part = q_nope_smem.slice(c * 64, 64, dim=1).load(layout)
+        nope.slice(c * 64, 64, dim=1).store(_scaled_fp16(part))
+    pe.store(_scaled_fp16(q_pe_smem.load(layout)))
+    fence_async_shared()  # before the wgmma reads it
+    gl.thread_barrier()
+    return nope, pe
+
 
 
 @_jit
@@ -276,6 +274,12 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
     m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     # Also where there are no tiles: the query tile is the staging of the stores at the end.
     mbarrier.wait(q_ready, 0)
+    if q_nope_smem.dtype != dtype:  # the fp16 stages of an fp8 cache
+        q_nope_op, q_pe_op = _query_to_fp16(q_nope_smem, q_pe_smem, zero_layout)
+        qk_scale = qk_scale / _Q_FP16_SCALE
+    else:
+        q_nope_op = q_nope_smem
+        q_pe_op = q_pe_smem
     for j in range(num_tiles):
         stage = j % NUM_STAGES
         start = lo + j * _BLOCK_N
@@ -292,8 +296,8 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
                 part.store(gl.where(rows_z[:, None] < n_valid, part.load(zero_layout), 0.0).to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-        s = warpgroup_mma(q_nope_smem, kv_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_pe_smem, kv_pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_nope_op, kv_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe_op, kv_pe.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
         qk = s * qk_scale  # log2 domain
@@ -325,7 +329,7 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
     gl.thread_barrier()
     mbarrier.arrive(done, count=1)
     # The query tile is done with: the staging of the stores.
-    _store_half(acc, l_i, m_i, 0, _staging(q_nope_smem), o_ptr, lse_ptr, q_block, h_block, q_start, q_len,
+    _store_half(acc, l_i, m_i, 0, q_nope_smem, o_ptr, lse_ptr, q_block, h_block, q_start, q_len,
                 split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, True)
 
@@ -379,7 +383,7 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
     l_i = row_smem.index(NUM_STAGES).load(row_l)
     m_i = row_smem.index(NUM_STAGES + 1).load(row_l)
     # Warpgroup 0 is past its last PV: the kv stages are free for the staging of the stores.
-    _store_half(acc, l_i, m_i, 1, _staging(kv_nope_smem.index(0)), o_ptr, lse_ptr, q_block, h_block, q_start,
+    _store_half(acc, l_i, m_i, 1, kv_nope_smem.index(0), o_ptr, lse_ptr, q_block, h_block, q_start,
                 q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                 NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, False)
 
@@ -404,13 +408,13 @@ def _mla_wgmma_kernel(
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
     gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
     gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
-    dtype: gl.constexpr = q_nope_desc.dtype
-    # An fp8 cache: NUM_STAGES fp8 landing slots for the copies and one 16-bit compute stage,
-    # which warpgroup 1 widens each tile into (two 16-bit stages and fp8 slots do not fit).
+    # An fp8 cache: NUM_STAGES fp8 landing slots for the copies and one fp16 compute stage, which
+    # warpgroup 1 widens each tile into (two 16-bit stages and fp8 slots do not fit).
     STAGES: gl.constexpr = 1 if KV_FP8 else NUM_STAGES
+    dtype: gl.constexpr = gl.float16 if KV_FP8 else q_nope_desc.dtype
 
-    q_nope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_NOPE], q_nope_desc.layout)
-    q_pe_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_PE], q_pe_desc.layout)
+    q_nope_smem = gl.allocate_shared_memory(q_nope_desc.dtype, [_BLOCK_M, _D_NOPE], q_nope_desc.layout)
+    q_pe_smem = gl.allocate_shared_memory(q_pe_desc.dtype, [_BLOCK_M, _D_PE], q_pe_desc.layout)
     # The query's layouts are those of any 16-bit [rows, 512] / [rows, 64] tile.
     kv_nope_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_N, _D_NOPE], q_nope_desc.layout)
     kv_pe_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_N, _D_PE], q_pe_desc.layout)

@@ -448,10 +448,13 @@ def test_short_prefill():
 @gpu
 def test_fp8_cache_with_scale(num_heads, q_len):
     """An fp8_e4m3 cache with a per-tensor scale, split and not, causal and tree-masked. On SM90
-    these 64-row tiles run the wgmma kernel, which widens each fp8 tile into a 16-bit stage."""
+    these 64-row tiles run the wgmma kernel, which widens each fp8 tile into an fp16 stage and
+    rescales the bf16 query into fp16: query rows from 1e-3 to 1e5 (past fp16's 65504) in magnitude."""
     gen = torch.Generator().manual_seed(3)
     args, q = make_inputs([1, 500, 3000, 70], [q_len] * 4, num_heads, 64, "cuda", kv_dtype=torch.float8_e4m3fn,
                           gen=gen)
+    magnitudes = torch.tensor([1e-3, 1.0, 30.0, 1e5], device="cuda").repeat_interleave(q_len)
+    args["q"] = (args["q"].float() * magnitudes[:, None, None]).to(torch.bfloat16)
     if torch.cuda.get_device_capability()[0] == 9:
         assert plan_for(args["q"], args["kv_cache"], args["block_tables"], q)[1].wgmma
     check(args, q, kv_scale=0.5)

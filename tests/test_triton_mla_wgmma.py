@@ -122,28 +122,3 @@ def test_flat_rows_only_where_tma_can_address_them():
     assert triton_mla_wgmma._flat_rows(one_token.as_strided((1, 16, 576), (10**6, 576, 1))) is not None
     assert triton_mla_wgmma._flat_rows(torch.zeros(4, 64, 576, dtype=torch.bfloat16)).shape == (256, 576)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs an SM90+ device")
-@needs_gluon
-def test_fp8_tiles_widen_to_bf16_exactly():
-    """Every e4m3fn code (subnormals, both zeros, 448, NaN) through the kernel's widening to bf16,
-    bit for bit against torch's conversion."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    @gluon.jit
-    def widen_kernel(x_ptr, y_ptr, N: gl.constexpr):
-        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[1],
-                                                order=[0])
-        offs = gl.arange(0, N, layout=layout)
-        gl.store(y_ptr + offs, triton_mla_wgmma._widen(gl.load(x_ptr + offs), gl.bfloat16))
-
-    codes = torch.arange(256, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-    out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
-    widen_kernel[(1,)](codes, out, N=256, num_warps=1)
-    expected = codes.to(torch.bfloat16)
-    nan = expected.isnan()
-    assert nan.sum() == 2 and out[nan].isnan().all()
-    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
