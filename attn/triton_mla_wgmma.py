@@ -29,16 +29,16 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
 - Every wgmma is waited for where it is issued: one left in flight across other code made ptxas
   serialise all of them (warning C7515), which cost ~25% at 128 heads.
 - An fp8 cache (KV_FP8) lands in two fp8 slots of 36 KB and one fp16 compute stage takes the
-  second 72 KB: warpgroup 1 widens each tile into it (``widened``; e4m3 -> fp16 is exact and one
-  instruction a pair, where bf16 needs several) once warpgroup 0's PV of the tile before is off
-  it, then refills the slot. Warpgroup 0 rewrites a bf16 query tile as fp16 times Q_FP16_SCALE
-  (_query_to_fp16) and divides the score scale by it. The widening is not overlapped with the
-  products (no room for a second 16-bit stage). H100, against the Triton tile that served fp8
-  before (and bf16 on this tile): 128 x 4k x 16 heads x q_len 4 400.8 -> 181.6 us (211.4), 8 x
-  16k x 16 heads x q_len 4 117.4 -> 55.4 (65.3), 32 x 4k x 128 heads 196.9 -> 100.1 (73.0), 8 x
-  4k x 128 heads x q_len 4 200.4 -> 99.0 (64.6). Widened to bf16 instead, 32 x 4k x 128 heads
-  took 125.3 us by bit moves and a bf16 multiply, 140.1 by Triton's cast (through fp16, then one
-  value at a time).
+  second 72 KB (no room for a second). Each tile is widened into it in halves (e4m3 -> fp16 is
+  exact and one instruction a pair, where bf16 needs several): warpgroup 0 latent columns 0-255
+  (``w0_read``), warpgroup 1 the rest (``widened``) once warpgroup 0's PV of the tile before is
+  off the stage; warpgroup 1 then refills the slot. Warpgroup 0 rewrites a bf16 query tile as fp16
+  times Q_FP16_SCALE (_query_to_fp16) and divides the score scale by it. H100, against the Triton
+  tile that served fp8 before (and bf16 on this tile): 128 x 4k x 16 heads x q_len 4 400.8 ->
+  173.7 us (211.8), 8 x 16k x 16 heads x q_len 4 117.4 -> 52.8 (65.0), 32 x 4k x 128 heads 196.9
+  -> 93.5 (72.8), 8 x 4k x 128 heads x q_len 4 200.4 -> 91.6 (64.1). Measured and dropped:
+  widening by warpgroup 1 alone (32 x 4k x 128 heads 100.1 us); QK^T by parts as they are widened
+  (109.8); widening to bf16 (125.3 by bit moves and a bf16 multiply, 140.1 by Triton's cast).
 
 Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
 SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
@@ -204,17 +204,22 @@ def _staging(smem, dtype: gl.constexpr):
 
 
 @_jit
-def _widen_tile(src_nope, src_pe, dst_nope, dst_pe):
-    """An fp8 kv tile ([BLOCK_N, 512] + [BLOCK_N, 64] in its landing slot) into the 16-bit compute
-    stage, 128 latent columns (one swizzle row of the fp8 slot) at a time: 64 values a thread."""
+def _widen_half(src_nope, src_pe, dst_nope, dst_pe, HALF: gl.constexpr):
+    """Latent columns [HALF * 256, HALF * 256 + 256) of an fp8 kv tile ([BLOCK_N, 512] + [BLOCK_N,
+    64] in its landing slot) into the 16-bit compute stage, 128 (one swizzle row of the slot, 64
+    values a thread) at a time; half 1 also the rope columns. Then fenced for the wgmma and
+    synchronised across the warpgroup."""
     nope_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
                                                  warps_per_cta=[4, 1], order=[1, 0])
     pe_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                warps_per_cta=[4, 1], order=[1, 0])
-    for c in gl.static_range(_D_NOPE // 128):
-        part = src_nope.slice(c * 128, 128, dim=1).load(nope_layout)
-        dst_nope.slice(c * 128, 128, dim=1).store(part.to(dst_nope.dtype))
-    dst_pe.store(src_pe.load(pe_layout).to(dst_pe.dtype))
+    for c in gl.static_range(_D_HALF // 128):
+        part = src_nope.slice(HALF * _D_HALF + c * 128, 128, dim=1).load(nope_layout)
+        dst_nope.slice(HALF * _D_HALF + c * 128, 128, dim=1).store(part.to(dst_nope.dtype))
+    if HALF == 1:
+        dst_pe.store(src_pe.load(pe_layout).to(dst_pe.dtype))
+    fence_async_shared()  # before a wgmma reads it
+    gl.thread_barrier()
 
 
 @_jit
@@ -243,14 +248,19 @@ def _query_to_fp16(q_nope_smem, q_pe_smem, layout: gl.constexpr):
 
 
 @_jit
-def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, p_ready, a_free, done,
-                       row_smem, mask_ptr, b, stride_mb, stride_mq,
+def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, land_nope, land_pe, landed,
+                       w0_read, p_ready, a_free, done, row_smem, mask_ptr, b, stride_mb, stride_mq,
                        q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
                        o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                        NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
-                       HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr):
+                       HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr):
     """Warpgroup 0: per kv tile, QK^T, the masked online softmax, P and its rescale factor into the
-    stage, PV for output dims 0-255; then the final row sums and maxima for warpgroup 1."""
+    stage, PV for output dims 0-255; then the final row sums and maxima for warpgroup 1.
+
+    ``ready``: a stage holds its tile. KV_FP8: first widen the tile's latent columns 0-255 from its
+    fp8 slot (``landed``) into the stage and say so (``w0_read``), while warpgroup 1 widens the
+    rest (ready: ``widened``)."""
     _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
     dtype: gl.constexpr = kv_nope_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -283,9 +293,14 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
     for j in range(num_tiles):
         stage = j % NUM_STAGES
         start = lo + j * _BLOCK_N
-        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         kv_nope = kv_nope_smem.index(stage)
         kv_pe = kv_pe_smem.index(stage)
+        if KV_FP8:
+            slot = j % NUM_LOADS
+            mbarrier.wait(landed.index(slot), (j // NUM_LOADS) & 1)
+            _widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope, kv_pe, 0)
+            mbarrier.arrive(w0_read.index(slot), count=1)
+        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         if start + _BLOCK_N > kv_len:
             # Rows past the sequence hold whatever the page held (maybe NaN): P is 0 there, but
             # 0 * NaN is not, so zero those V rows before either PV reads them.
@@ -335,8 +350,8 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
 
 
 @_jit
-def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv_pe_smem, ready, widened, p_ready,
-                  a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start,
+def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv_pe_smem, ready, widened, w0_read,
+                  p_ready, a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start,
                   q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
                   PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
                   DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr):
@@ -346,8 +361,10 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
     warpgroup 0's row sums and store.
 
     KV_FP8: the copies land in NUM_LOADS fp8 slots (land_nope, land_pe) and the one compute stage
-    is 16-bit: first, once warpgroup 0's PV is off the stage, widen the tile into it (``widened``),
-    and refill its slot with the tile NUM_LOADS ahead."""
+    is 16-bit: first, once warpgroup 0's PV is off the stage (the rope rows hold its P), widen the
+    latent columns 256-511 and the rope columns into it (``widened``; warpgroup 0 widens 0-255),
+    and refill the slot with the tile NUM_LOADS ahead once warpgroup 0 is off it too (w0_read, one
+    barrier a slot: a tile's arrival can then never be taken for the one two tiles later)."""
     _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _D_HALF, 16])
@@ -361,11 +378,10 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
             slot = j % NUM_LOADS
             mbarrier.wait(ready.index(slot), (j // NUM_LOADS) & 1)
             mbarrier.wait(a_free.index(stage), (j - 1) & 1, pred=j > 0)
-            _widen_tile(land_nope.index(slot), land_pe.index(slot), kv_nope_smem.index(stage),
-                        kv_pe_smem.index(stage))
-            fence_async_shared()  # the stage, before warpgroup 0's wgmma reads it
-            gl.thread_barrier()
+            _widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope_smem.index(stage),
+                        kv_pe_smem.index(stage), 1)
             mbarrier.arrive(widened.index(stage), count=1)
+            mbarrier.wait(w0_read.index(slot), (j // NUM_LOADS) & 1)
             _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, slot, page,
                        lo + (j + NUM_LOADS) * _BLOCK_N, refill, PAGE_SIZE)
         mbarrier.wait(p_ready.index(stage), (j // NUM_STAGES) & 1)
@@ -428,10 +444,14 @@ def _mla_wgmma_kernel(
         land_pe = gl.allocate_shared_memory(kv_pe_desc.dtype, [NUM_STAGES, _BLOCK_N, _D_PE], kv_pe_desc.layout)
         widened = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(widened.index(0), count=1)
+        w0_read = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(w0_read.index(i), count=1)
     else:
         land_nope = kv_nope_smem
         land_pe = kv_pe_smem
         widened = ready
+        w0_read = ready  # unused
     p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     a_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -470,14 +490,14 @@ def _mla_wgmma_kernel(
         _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, i, page, lo + i * _BLOCK_N,
                    i < num_tiles, PAGE_SIZE)
     gl.warp_specialize([
-        (_softmax_partition, (q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, widened, p_ready, a_free,
-                              done, row_smem, mask_ptr, b, stride_mb, stride_mq,
+        (_softmax_partition, (q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, widened, land_nope, land_pe,
+                              ready, w0_read, p_ready, a_free, done, row_smem, mask_ptr, b, stride_mb, stride_mq,
                               q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len,
                               qk_scale, o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt,
                               stride_lh, v_scale, NUM_HEADS, BLOCK_H, BLOCK_Q, HAS_MASK, DIRECT,
-                              STAGES)),
+                              STAGES, NUM_STAGES, KV_FP8)),
         (_pv_partition, (kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv_pe_smem, ready, widened,
-                         p_ready, a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block,
+                         w0_read, p_ready, a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block,
                          h_block, q_start, q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                          v_scale, PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, STAGES, NUM_STAGES, KV_FP8)),
     ], [4], [232])
