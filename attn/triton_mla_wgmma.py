@@ -46,6 +46,8 @@ SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU 
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
@@ -74,8 +76,10 @@ _constexpr = gl.constexpr if gluon is not None else (lambda value: value)
 _BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _constexpr(D_PE), _constexpr(D_NOPE // 2)
 # A bf16 query scaled into fp16 (for an fp8 cache): exact for magnitudes 2^-6 to 2^24; below,
 # absolute error under 2^-16 (bf16's own rounding of a value near 1 is 2^-9).
-Q_FP16_SCALE = 2.0 ** -8  # 0f3B800000 in _scaled_fp16
+Q_FP16_SCALE = 2.0 ** -8
 _Q_FP16_SCALE = _constexpr(Q_FP16_SCALE)
+# The same scale as a PTX fp32 literal (0f + its bits), for _scaled_fp16.
+_SCALE_PTX = _constexpr(f"mul.rn.f32 $0, $1, 0f{struct.unpack('<I', struct.pack('<f', Q_FP16_SCALE))[0]:08X};")
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -226,7 +230,7 @@ def _widen_half(src_nope, src_pe, dst_nope, dst_pe, HALF: gl.constexpr):
 def _scaled_fp16(x):
     """x * Q_FP16_SCALE in fp16, scaled in fp32 first: as plain code the compiler moved the
     multiply after the narrowing, where values over 65504 overflow."""
-    scaled = gl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3B800000;", "=r,r", [x.to(gl.float32)],
+    scaled = gl.inline_asm_elementwise(_SCALE_PTX, "=r,r", [x.to(gl.float32)],
                                        dtype=gl.float32, is_pure=True, pack=1)
     return scaled.to(gl.float16)
 
@@ -356,9 +360,9 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
                   PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
                   DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr):
     """Warpgroup 1: per kv tile, once P is written, rescale and accumulate PV for output dims
-    256-511, then load the tile NUM_STAGES ahead into the stage once warpgroup 0's PV is off it
-    too (it is otherwise idle, so the copy goes out as early as it can); then normalise with
-    warpgroup 0's row sums and store.
+    256-511; with a 16-bit cache then load the tile NUM_STAGES ahead into the stage once warpgroup
+    0's PV is off it too (it is otherwise idle, so the copy goes out as early as it can). At the
+    end, normalise with warpgroup 0's row sums and store.
 
     KV_FP8: the copies land in NUM_LOADS fp8 slots (land_nope, land_pe) and the one compute stage
     is 16-bit: first, once warpgroup 0's PV is off the stage (the rope rows hold its P), widen the
@@ -424,8 +428,9 @@ def _mla_wgmma_kernel(
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
     gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
     gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
+    gl.static_assert(not KV_FP8 or NUM_STAGES == 2)  # two fp8 slots and the fp16 stage fill shared memory
     # An fp8 cache: NUM_STAGES fp8 landing slots for the copies and one fp16 compute stage, which
-    # warpgroup 1 widens each tile into (two 16-bit stages and fp8 slots do not fit).
+    # both warpgroups widen each tile into (two 16-bit stages and fp8 slots do not fit).
     STAGES: gl.constexpr = 1 if KV_FP8 else NUM_STAGES
     dtype: gl.constexpr = gl.float16 if KV_FP8 else q_nope_desc.dtype
 

@@ -90,8 +90,9 @@ def graph_time_us(calls: list, min_calls: int = 200) -> float:
 
 
 def sustained_clock(calls: list, seconds: float = 0.5) -> tuple[float, float]:
-    """Median SM clock (MHz) and board power (W) that nvidia-smi reads while the graph of `calls`
-    replays back to back for `seconds`; NaN where nvidia-smi is missing or reads nothing.
+    """Median SM clock (MHz) and instantaneous board power (W) that nvidia-smi reads while the
+    graph of `calls` replays back to back for `seconds`; NaN where nvidia-smi is missing or reads
+    nothing (its plain power.draw averages over a second, longer than the load).
 
     Under load the H100 here holds its 700 W cap by lowering the SM clock (128 heads, 128 x 16k:
     a median of 1.41 GHz of its 1.98), which the roofline's fixed 790 TFLOP/s does not see: the
@@ -102,7 +103,7 @@ def sustained_clock(calls: list, seconds: float = 0.5) -> tuple[float, float]:
     graph = capture(calls)
     smi = subprocess.Popen(
         ["nvidia-smi", "-i", f"GPU-{torch.cuda.get_device_properties().uuid}",
-         "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "25"],
+         "--query-gpu=clocks.sm,power.draw.instant", "--format=csv,noheader,nounits", "-lms", "25"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -112,11 +113,12 @@ def sustained_clock(calls: list, seconds: float = 0.5) -> tuple[float, float]:
     smi.terminate()
     lines = smi.communicate()[0].splitlines()
     del graph
-    # The first readings may predate the load.
-    samples = [[float(v) for v in line.split(",")] for line in lines[2:] if re.fullmatch(r"[\d.]+, [\d.]+", line)]
+    # The first readings may predate the load; a field nvidia-smi cannot read ("[N/A]") is NaN.
+    samples = [[float(v) if re.fullmatch(r"[\d.]+", v) else float("nan") for v in line.split(", ")]
+               for line in lines[2:] if line.count(",") == 1]
     if not samples:
         return nan
-    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+    return tuple(statistics.median(column) for column in zip(*samples))
 
 
 class Case:
@@ -187,25 +189,25 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     ours_calls[0]()
     ours = case.out.clone()
     ours_us = graph_time_us(ours_calls)
-    sm_mhz, watts = sustained_clock(ours_calls)
     roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
     plan, config = plan_for(case.q, case.kv_pool[0], case.block_tables, case.q_len)
     row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
                tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
                kernel="wgmma" if config.wgmma else "triton",
                triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
-               frac_roofline=roof_us / ours_us, sm_mhz=sm_mhz, watts=watts, fa3_us=float("nan"),
+               frac_roofline=roof_us / ours_us, sm_mhz=float("nan"), watts=float("nan"), fa3_us=float("nan"),
                fa3_frac=float("nan"), speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))
     if with_fa3:
         try:
             calls, fa3_out, _wrapper = fa3_calls(case)
             row["max_diff_vs_fa3"] = (fa3_out.float() - ours.float()).abs().max().item()
             row["fa3_us"] = graph_time_us(calls)
+            row["fa3_frac"] = roof_us / row["fa3_us"]
+            row["speedup_vs_fa3"] = row["fa3_us"] / ours_us
         except Exception as error:  # keep the Triton numbers; say why FA3 has none
             print(f"FA3 failed: {type(error).__name__}: {error}")
-            return row
-        row["fa3_frac"] = roof_us / row["fa3_us"]
-        row["speedup_vs_fa3"] = row["fa3_us"] / ours_us
+    # Last: its half second at full load must not heat the board for either timing.
+    row["sm_mhz"], row["watts"] = sustained_clock(ours_calls)
     return row
 
 
@@ -293,13 +295,15 @@ def profile() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/mla_kernels.png"))
+    parser.add_argument("--out", type=Path, help="PNG path (default benchmarks/mla_kernels[_fp8].png)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
     parser.add_argument("--profile", action="store_true", help="only run a few shapes eagerly (for ncu)")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
-                        help="cache dtype of the table (fp8: e4m3; KV bytes in the roofline are 1 a value)")
+                        help="cache dtype of the table, not of --sweep (fp8: e4m3; KV bytes in the roofline "
+                             "are 1 a value)")
     args = parser.parse_args()
+    args.out = args.out or Path(f"benchmarks/mla_kernels{'_fp8' if args.kv_dtype == 'fp8' else ''}.png")
     if args.profile:
         profile()
         return

@@ -402,14 +402,15 @@ def test_draft_extend_variable_q_len(num_heads):
 
 @pytest.mark.parametrize("num_heads, q_len, kv_dtype", [
     (128, 1, torch.bfloat16), (16, 4, torch.bfloat16), (128, 4, torch.bfloat16), (16, 1, torch.bfloat16),
-    (32, 1, torch.bfloat16), (128, 1, torch.float8_e4m3fn), (16, 4, torch.float8_e4m3fn)])
+    (32, 1, torch.bfloat16), (128, 1, torch.float8_e4m3fn), (16, 4, torch.float8_e4m3fn),
+    (16, 1, torch.float8_e4m3fn)])
 @gpu
 def test_nan_past_each_length_stays_out(num_heads, q_len, kv_dtype):
     """Cache rows past each request's length (inside its last page) hold NaN: the 64-row wgmma
     tile, whose TMA copies whole pages, must keep them out of P @ V (an fp8 tile's NaN survives
-    its widening). 16 and 32 heads x q_len 1 reach it widened (three of every four, or every
-    other, query slot empty): at 8k the narrow tiles' whole-wave chunks would hold two 64-row kv
-    tiles."""
+    its widening; a widened tile's unloaded query rows are rewritten as fp16 too). 16 and 32 heads
+    x q_len 1 reach it widened (three of every four, or every other, query slot empty): at 8k the
+    narrow tiles' whole-wave chunks would hold two 64-row kv tiles."""
     args, q = make_inputs([1, 70, 1000, 8191], [q_len] * 4, num_heads, 64, "cuda", kv_dtype=kv_dtype)
     kv, bt = args["kv_cache"], args["block_tables"].cpu()
     for b, n in enumerate(args["seq_lens"].tolist()):
@@ -444,19 +445,25 @@ def test_short_prefill():
     check(args, q)
 
 
-@pytest.mark.parametrize("num_heads, q_len", [(16, 4), (128, 1), (128, 4)])
+@pytest.mark.parametrize("num_heads, q_len, q_dtype", [
+    (16, 4, torch.bfloat16), (128, 1, torch.bfloat16), (128, 4, torch.bfloat16), (16, 4, torch.float16)])
 @gpu
-def test_fp8_cache_with_scale(num_heads, q_len):
+def test_fp8_cache_with_scale(num_heads, q_len, q_dtype):
     """An fp8_e4m3 cache with a per-tensor scale, split and not, causal and tree-masked. On SM90
     these 64-row tiles run the wgmma kernel, which widens each fp8 tile into an fp16 stage and
-    rescales the bf16 query into fp16: query rows from 1e-3 to 1e5 (past fp16's 65504) in magnitude."""
+    rescales a bf16 query into fp16 (2^-8): query rows from 1e-3 to 1e5 (past fp16's 65504) in
+    magnitude, and a query of ~1e-2 (mostly below 2^-6, fp16 subnormals once scaled) under a
+    cache scale that makes its scores O(1)."""
     gen = torch.Generator().manual_seed(3)
     args, q = make_inputs([1, 500, 3000, 70], [q_len] * 4, num_heads, 64, "cuda", kv_dtype=torch.float8_e4m3fn,
-                          gen=gen)
-    magnitudes = torch.tensor([1e-3, 1.0, 30.0, 1e5], device="cuda").repeat_interleave(q_len)
-    args["q"] = (args["q"].float() * magnitudes[:, None, None]).to(torch.bfloat16)
+                          gen=gen, q_dtype=q_dtype)
     if torch.cuda.get_device_capability()[0] == 9:
         assert plan_for(args["q"], args["kv_cache"], args["block_tables"], q)[1].wgmma
+    small = dict(args, q=(args["q"].float() * 1e-2).to(q_dtype))
+    check(small, q, kv_scale=100.0)
+    if q_dtype == torch.bfloat16:
+        magnitudes = torch.tensor([1e-3, 1.0, 30.0, 1e5], device="cuda").repeat_interleave(q_len)
+        args["q"] = (args["q"].float() * magnitudes[:, None, None]).to(q_dtype)
     check(args, q, kv_scale=0.5)
     check(args, q, kv_scale=0.5, num_splits=1)
     check(args, q, custom_mask=random_mask(4, q_len, q_len, gen, "cuda"), kv_scale=0.5, num_splits=7)
