@@ -65,6 +65,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     (16, 1, False, False, False),  # widened decode: a quarter of the rows queries, fp32 partials
     (128, 1, False, False, True),  # fp8 cache: decode
     (16, 4, True, True, True),  # fp8 cache: tree verify
+    (16, 1, False, False, True),  # fp8 cache: widened decode, fp32 partials
 ])
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct,
                                                                  kv_fp8):
