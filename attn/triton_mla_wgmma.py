@@ -250,7 +250,6 @@ def _query_to_fp16(q_nope_smem, q_pe_smem, layout: gl.constexpr):
     return nope, pe
 
 
-
 @_jit
 def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, land_nope, land_pe, landed,
                        w0_read, p_ready, a_free, done, row_smem, mask_ptr, b, stride_mb, stride_mq,
@@ -376,10 +375,10 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
     acc = gl.zeros([_BLOCK_M, _D_HALF], gl.float32, o_layout)
     for j in range(num_tiles):
         stage = j % NUM_STAGES
+        slot = j % NUM_LOADS  # a 16-bit cache's copies land in the stages: the same index
         refill = j + NUM_LOADS < num_tiles
         page = gl.load(bt_row_ptr + (lo + (j + NUM_LOADS) * _BLOCK_N) // PAGE_SIZE, mask=refill, other=0)
         if KV_FP8:
-            slot = j % NUM_LOADS
             mbarrier.wait(ready.index(slot), (j // NUM_LOADS) & 1)
             mbarrier.wait(a_free.index(stage), (j - 1) & 1, pred=j > 0)
             _widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope_smem.index(stage),
@@ -397,8 +396,8 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
         gl.thread_barrier()
         if not KV_FP8:
             mbarrier.wait(a_free.index(stage), (j // NUM_STAGES) & 1, pred=refill)
-            _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage, page,
-                       lo + (j + NUM_STAGES) * _BLOCK_N, refill, PAGE_SIZE)
+            _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, slot, page,
+                       lo + (j + NUM_LOADS) * _BLOCK_N, refill, PAGE_SIZE)
     mbarrier.wait(done, 0)
     l_i = row_smem.index(NUM_STAGES).load(row_l)
     m_i = row_smem.index(NUM_STAGES + 1).load(row_l)
