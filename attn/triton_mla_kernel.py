@@ -467,7 +467,14 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     num_warps = 4 if o_part.element_size() == 4 else max(1, min(4, block_d // 256))
     # A programmatic dependent launch (SM90+) is set up as the attention kernel's programs exit,
     # not after the kernel completes, and waits for the partials in the kernel (H100: 1 x 1k x 16
-    # heads 8.2 -> 7.6 us; the other split launches within noise).
+    # heads 8.2 -> 7.6 us; the other split launches within noise). Measured and dropped (H100, graphs
+    # of back-to-back launches): merging in the attention grid instead (each warpgroup counted its
+    # stores into its row block's counter; once all had, the first splits merged a piece each; a
+    # cooperative launch), 1 x 1k x 128 heads x q_len 4 10.4 -> 13.0 us: the wait for the last
+    # split alone cost 1.7 us of the reduce's 2.5. griddepcontrol.launch_dependents early in the
+    # attention kernel (the reduce's programs crowd the few idle SMs: 11.0 -> 12.6 us there) or in
+    # the reduce (the next launch's programs hold registers the reduce's still need: 0.4-0.7 us
+    # faster on most split launches, 1.0-1.6 us slower on four of 16).
     pdl = _has_pdl(out.device)
     _mla_reduce_kernel[(num_tokens, num_heads, KV_LORA_RANK // block_d)](
         o_part, lse, out, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_splits,

@@ -50,7 +50,11 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
                      MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages,
                      KV_FP8=kv_fp8, PDL=True)
     signature.update({name: "constexpr" for name in constants})
-    source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants)
+    # As the launcher specialises them: pointers 16-byte aligned, the strides of the partials and
+    # the output (multiples of 512) divisible by 16; what vectorises its loads and stores.
+    aligned = [name for name in signature if name.endswith("_ptr") or name in ("stride_ot", "stride_oh", "stride_os")]
+    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants, attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=triton_mla_wgmma.NUM_WARPS))
     ptxas = get_ptxas(90).path
@@ -76,6 +80,8 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_hea
     kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
                                       out_dtype=out_dtype, kv_fp8=kv_fp8)
     assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
+    if out_dtype == "bf16":  # staged into rows a warp writes whole, 16 bytes a thread (_store_half)
+        assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx
     (tmp_path / "k.ptx").write_text(ptx)
     report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
                             capture_output=True, text=True, check=True).stderr
