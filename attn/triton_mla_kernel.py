@@ -208,7 +208,7 @@ def _mla_attention_kernel(
 def _mla_reduce_kernel(
     o_part_ptr, lse_ptr, out_ptr, cu_q_ptr, batch_size, num_splits,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, LINE_VALUES: tl.constexpr,
 ):
     """Grid (tokens, heads, 512 / BLOCK_D): merge one row's split partials by their lse.
 
@@ -218,6 +218,8 @@ def _mla_reduce_kernel(
     their rows are read all the same (they are allocated), so that the check is not one more
     round trip ahead of the loads. PDL: launched as a programmatic dependent of the attention
     kernel, it waits for that kernel's partials here, after the loads that do not need them.
+    LINE_VALUES (partial values a 128-byte line, BLOCK_D a multiple; 0: off): once every thread
+    has its loads, discard the program's partial lines from L2, unwritten to HBM.
     """
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -248,6 +250,14 @@ def _mla_reduce_kernel(
         denom = denom * scale + tl.sum(weight, 0)
         m = m_new
     o = acc / tl.where(denom > 0, denom, 1.0)
+    if LINE_VALUES > 0:
+        tl.debug_barrier()
+        offs_line = d_block * BLOCK_D + tl.arange(0, BLOCK_D // LINE_VALUES) * LINE_VALUES
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            s = tl.minimum(s0 + offs_s, num_splits - 1)  # past the last split: its lines again
+            lines = part_row_ptr + s[:, None] * stride_ps + offs_line[None, :]
+            tl.inline_asm_elementwise("discard.global.L2 [$1], 128; // $0", "=r,l", [lines], dtype=tl.int32,
+                                      is_pure=False, pack=1)
     tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=is_query)
 
 
@@ -360,7 +370,7 @@ def mla_paged_attention(
     plan, config = plan_for(q, kv_cache, block_tables, max_q_len)
     _launch(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, sm_scale, custom_mask, out,
             kv_scale, num_splits or plan.num_splits, plan.tile, config,
-            min_split_len(plan.tile, narrow_partials(config, num_heads, max_q_len)))
+            min_split_len(plan.tile, narrow_partials(config, num_heads, max_q_len)), plan.discard_partials)
     return out
 
 
@@ -390,10 +400,12 @@ def _launch(
     tile: TileShape,
     config: KernelConfig,
     min_chunk: int,
+    discard_partials: bool = False,
 ) -> None:
     """Launch the attention (and, with several splits, the reduce) kernel on checked inputs.
 
-    A request's kv is cut into num_splits chunks of at least min_chunk (a multiple of BLOCK_N).
+    A request's kv is cut into num_splits chunks of at least min_chunk (a multiple of BLOCK_N);
+    discard_partials: see plan_launch.
     """
     num_tokens, num_heads, _ = q.shape
     batch_size = block_tables.shape[0]
@@ -438,11 +450,11 @@ def _launch(
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )
     if not direct:
-        _merge_splits(o_part, lse, out, cu_seqlens_q, num_splits)
+        _merge_splits(o_part, lse, out, cu_seqlens_q, num_splits, discard_partials)
 
 
 def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  num_splits: int) -> None:
+                  num_splits: int, discard: bool = False) -> None:
     """out[t, h] = the lse-weighted mean of the first num_splits partials of row (t, h).
 
     o_part: [T, H, >= num_splits, 512] 16-bit or fp32 partial outputs, each normalised over its own
@@ -450,6 +462,8 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     lse: [T, H, >= num_splits] fp32 log2-sum-exp of each chunk's scores; -inf marks an empty chunk,
         whose partial is never used (it may hold anything). A row of only empty chunks outputs 0.
     out: [T, H, 512]; tokens t >= cu_seqlens_q[-1] are left untouched.
+    discard: drop the partials from L2 once read (their contents are then undefined), where each
+        program's row slices are whole 128-byte lines (no other program reads them).
     """
     num_tokens, num_heads, _ = out.shape
     # Tiles of ~4096 partial values: all splits in one load up to 128 (MAX_SPLITS), with narrower
@@ -459,6 +473,7 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     splits_p2 = next_pow2(num_splits)
     block_d = max(32, min(KV_LORA_RANK, 4096 // splits_p2))
     split_block = min(splits_p2, 4096 // block_d)
+    line_values = 128 // o_part.element_size()
     # 16-bit partials: warps only along the row slice. Their loads are 8 values a thread, and with
     # warps along the splits the sum over them is a shared-memory exchange of 8 fp32 a thread,
     # whose bank conflicts cost more than the loads (H100, 32 tokens x 128 heads x 2 splits: 22.3 us
@@ -481,5 +496,6 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         SPLIT_BLOCK=split_block, BLOCK_D=block_d, PDL=pdl,
+        LINE_VALUES=line_values if discard and block_d % line_values == 0 else 0,
         num_warps=num_warps, launch_pdl=pdl,
     )

@@ -12,6 +12,7 @@ from attn import triton_mla_wgmma
 
 MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
 MAX_SPLITS = 128  # bounds the workspace and the reduce
+DISCARD_MIN_TOKENS = 32 * 1024  # batch x max_kv_len from which split partials are discarded from L2
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,13 @@ def min_split_len(tile: TileShape, narrow: bool) -> int:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Tile, launch parameters and split-KV count of one attention launch."""
+    """Tile, launch parameters and split-KV count of one attention launch; ``discard_partials``:
+    the reduce drops the partials' lines from L2 once read (see plan_launch)."""
 
     tile: TileShape
     config: KernelConfig
     num_splits: int
+    discard_partials: bool = False
 
 
 def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int,
@@ -112,6 +115,14 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     (H100: 1 x 16k x 128 heads 23.3 -> 20.2 us, 8 x 1k x 128 heads 16.3 -> 15.6, 8 x 4k x 16
     heads x q_len 4 27.0 -> 26.0; 32 x 1k x 16 heads x q_len 4 27.4 either way). The count is
     then cut to the chunks the longest sequence fills (used_splits).
+
+    discard_partials: split launches of at least DISCARD_MIN_TOKENS (batch x max_kv_len) drop
+    each partial from L2 once the reduce has read it (discard.global.L2), so that L2 never writes
+    the dead lines back to HBM, where they take the bandwidth of the kv streams that follow (H100,
+    graphs of back-to-back launches, ~8 MB of partials each: 8 x 16k x 16 heads x q_len 4 64.9 ->
+    61.8 us, 32 x 4k 66.9 -> 64.4, 8 x 4k 24.1 -> 22.4, 32 x 1k 25.9 -> 25.1, 32 x 1k x 128 heads
+    28.9 -> 28.2; below, in launches of a few microseconds, the discards cost more than the
+    write-back: 1 x 1k x 128 heads x q_len 4 11.1 -> 11.6, 8 x 1k x 128 heads 14.5 -> 14.9).
     """
     for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
                         ("num_sms", num_sms)):
@@ -141,8 +152,8 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     while tile.rows > 16 and 4 * per_split * cap < slots:
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
         config, slots, per_split, min_chunk, cap = waves(tile)
-    num_splits = _whole_wave_splits(slots, per_split, cap)
-    return LaunchPlan(tile, config, used_splits(max_kv_len, num_splits, config.block_n, min_chunk))
+    num_splits = used_splits(max_kv_len, _whole_wave_splits(slots, per_split, cap), config.block_n, min_chunk)
+    return LaunchPlan(tile, config, num_splits, num_splits > 1 and batch_size * max_kv_len >= DISCARD_MIN_TOKENS)
 
 
 def chunk_len(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int:

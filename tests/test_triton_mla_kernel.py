@@ -223,6 +223,17 @@ def test_plan_launch_fills_a_whole_wave_with_16bit_partials_split_down_to_one_kv
     assert plan.tile == TileShape(16, 4) and plan.num_splits == 16 and min_split_len(plan.tile, narrow=False) == 128
 
 
+def test_plan_launch_discards_the_partials_of_split_launches_of_32k_tokens():
+    """Split launches of >= DISCARD_MIN_TOKENS (batch x max_kv_len) have the reduce drop their partials
+    from L2; shorter ones (where the discards cost more than the write-back) and one-split ones not."""
+    assert plan_launch(8, 16, 4, 4096, 132, wide_tiles=True).discard_partials  # 32k tokens, 16 splits
+    assert plan_launch(32, 128, 1, 1024, 132, wide_tiles=True).discard_partials  # 2 splits
+    assert not plan_launch(8, 16, 4, 2048, 132, wide_tiles=True).discard_partials  # 16k tokens
+    assert not plan_launch(1, 128, 4, 16384, 132, wide_tiles=True).discard_partials
+    one_split = plan_launch(128, 16, 4, 1024, 132, wide_tiles=True)
+    assert one_split.num_splits == 1 and not one_split.discard_partials
+
+
 def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
     """mla_paged_attention's plan: the longest sequence is the shorter of the block table's width and
     the cache (in pages) times the page size (it caps the splits here); off SM90 no wgmma kernel."""
@@ -439,6 +450,21 @@ def test_many_programs_with_empty_splits_and_a_padded_query(num_heads, q_len):
         assert plan_for(args["q"], args["kv_cache"], args["block_tables"], q)[1].wgmma
     check(args, q, num_splits=7)
     check(args, q, custom_mask=random_mask(len(lens), q_len, q_len, gen, "cuda"), num_splits=7)
+
+
+@pytest.mark.parametrize("num_heads, q_len", [(16, 4), (128, 1), (16, 1)])
+@gpu
+def test_partials_discarded_after_the_merge(num_heads, q_len):
+    """A split launch of >= DISCARD_MIN_TOKENS (batch x the block table's reach: 4 x 8192) drops its
+    partials from L2 once merged (16-bit partials; fp32 on the widened 16-head tile); launch after
+    launch (the partial buffers come back from the allocator) the output stays right."""
+    gen = torch.Generator().manual_seed(9)
+    args, q = make_inputs([5000, 1, 3000, 8000], [q_len] * 4, num_heads, 64, "cuda", gen=gen)
+    plan = plan_for(args["q"], args["kv_cache"], args["block_tables"], q)[0]
+    assert plan.discard_partials and plan.num_splits > 1
+    for _ in range(3):
+        check(args, q)
+    check(args, q, custom_mask=random_mask(4, q_len, q_len, gen, "cuda"))
 
 
 @gpu
