@@ -463,7 +463,8 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
         whose partial is never used (it may hold anything). A row of only empty chunks outputs 0.
     out: [T, H, 512]; tokens t >= cu_seqlens_q[-1] are left untouched.
     discard: drop the partials from L2 once read (their contents are then undefined), where each
-        program's row slices are whole 128-byte lines (no other program reads them).
+        program's row slices are whole 128-byte lines (no other program reads them); on a GPU
+        only (the Triton interpreter runs no PTX).
     """
     num_tokens, num_heads, _ = out.shape
     # Tiles of ~4096 partial values: all splits in one load up to 128 (MAX_SPLITS), with narrower
@@ -496,6 +497,6 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         SPLIT_BLOCK=split_block, BLOCK_D=block_d, PDL=pdl,
-        LINE_VALUES=line_values if discard and block_d % line_values == 0 else 0,
+        LINE_VALUES=line_values if discard and o_part.is_cuda and block_d % line_values == 0 else 0,
         num_warps=num_warps, launch_pdl=pdl,
     )
