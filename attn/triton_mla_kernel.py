@@ -27,6 +27,7 @@ from attn.triton_mla_plan import (
     KernelConfig,
     LaunchPlan,
     TileShape,
+    discard_line_values,
     launch_config,
     min_split_len,
     narrow_partials,
@@ -463,8 +464,8 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
         whose partial is never used (it may hold anything). A row of only empty chunks outputs 0.
     out: [T, H, 512]; tokens t >= cu_seqlens_q[-1] are left untouched.
     discard: drop the partials from L2 once read (their contents are then undefined), where each
-        program's row slices are whole 128-byte lines (no other program reads them); on a GPU
-        only (the Triton interpreter runs no PTX).
+        program's row slices are whole 128-byte lines (discard_line_values); on a GPU only (the
+        Triton interpreter runs no PTX).
     """
     num_tokens, num_heads, _ = out.shape
     # Tiles of ~4096 partial values: all splits in one load up to 128 (MAX_SPLITS), with narrower
@@ -474,7 +475,9 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     splits_p2 = next_pow2(num_splits)
     block_d = max(32, min(KV_LORA_RANK, 4096 // splits_p2))
     split_block = min(splits_p2, 4096 // block_d)
-    line_values = 128 // o_part.element_size()
+    line_values = 0
+    if discard and o_part.is_cuda:
+        line_values = discard_line_values(o_part.element_size(), block_d, o_part.data_ptr(), o_part.stride()[:3])
     # 16-bit partials: warps only along the row slice. Their loads are 8 values a thread, and with
     # warps along the splits the sum over them is a shared-memory exchange of 8 fp32 a thread,
     # whose bank conflicts cost more than the loads (H100, 32 tokens x 128 heads x 2 splits: 22.3 us
@@ -497,6 +500,6 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         SPLIT_BLOCK=split_block, BLOCK_D=block_d, PDL=pdl,
-        LINE_VALUES=line_values if discard and o_part.is_cuda and block_d % line_values == 0 else 0,
+        LINE_VALUES=line_values,
         num_warps=num_warps, launch_pdl=pdl,
     )

@@ -117,9 +117,10 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     then cut to the chunks the longest sequence fills (used_splits).
 
     discard_partials: split launches of at least DISCARD_MIN_TOKENS (batch x max_kv_len) drop
-    each partial from L2 once the reduce has read it (discard.global.L2), so that L2 never writes
-    the dead lines back to HBM, where they take the bandwidth of the kv streams that follow (H100,
-    graphs of back-to-back launches, ~8 MB of partials each: 8 x 16k x 16 heads x q_len 4 64.9 ->
+    their partials from L2 once the reduce has read them (discard.global.L2; where its programs
+    read whole 128-byte lines: discard_line_values), so that L2 never writes the dead lines back
+    to HBM, where they take the bandwidth of the kv streams that follow (H100, A/B in graphs of
+    back-to-back launches, ~8 MB of partials each: 8 x 16k x 16 heads x q_len 4 64.9 ->
     61.8 us, 32 x 4k 66.9 -> 64.4, 8 x 4k 24.1 -> 22.4, 32 x 1k 25.9 -> 25.1, 32 x 1k x 128 heads
     28.9 -> 28.2; below, in launches of a few microseconds, the discards cost more than the
     write-back: 1 x 1k x 128 heads x q_len 4 11.1 -> 11.6, 8 x 1k x 128 heads 14.5 -> 14.9).
@@ -226,3 +227,13 @@ def select_config(tile: TileShape) -> KernelConfig:
     if tile.rows <= 16:
         return KernelConfig(block_n=32, num_warps=4, num_stages=2)
     return KernelConfig(block_n=64, num_warps=8, num_stages=2)
+
+
+def discard_line_values(part_bytes: int, block_d: int, data_ptr: int, strides: tuple[int, ...]) -> int:
+    """Partial values a 128-byte line holds, where the reduce may discard the lines it has read (0
+    where not): each program's row slices (``block_d`` values of partials [T, H, S, 512] at
+    ``data_ptr`` with these element ``strides``) must be whole lines, which no other program reads.
+    16-bit partials of more than 64 splits (32-value slices) are not."""
+    line_values = 128 // part_bytes
+    whole = block_d % line_values == 0 and data_ptr % 128 == 0
+    return line_values if whole and all(stride % line_values == 0 for stride in strides) else 0
