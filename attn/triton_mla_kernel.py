@@ -402,11 +402,14 @@ def _launch(
     config: KernelConfig,
     min_chunk: int,
     discard_partials: bool = False,
+    reduce: bool = True,
 ) -> None:
     """Launch the attention (and, with several splits, the reduce) kernel on checked inputs.
 
     A request's kv is cut into num_splits chunks of at least min_chunk (a multiple of BLOCK_N);
-    discard_partials: see plan_launch.
+    discard_partials: see plan_launch. reduce=False launches the attention kernel alone, leaving
+    several splits' partials unmerged and ``out`` unwritten (to time it: benchmarks/mla_kernels.py
+    --breakdown).
     """
     num_tokens, num_heads, _ = q.shape
     batch_size = block_tables.shape[0]
@@ -450,7 +453,7 @@ def _launch(
             **constants, BLOCK_N=config.block_n, D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM, V_SPLIT=config.v_split,
             num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
         )
-    if not direct:
+    if reduce and not direct:
         _merge_splits(o_part, lse, out, cu_seqlens_q, num_splits, discard_partials)
 
 
@@ -490,10 +493,15 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     # of back-to-back launches): merging in the attention grid instead (each warpgroup counted its
     # stores into its row block's counter; once all had, the first splits merged a piece each; a
     # cooperative launch), 1 x 1k x 128 heads x q_len 4 10.4 -> 13.0 us: the wait for the last
-    # split alone cost 1.7 us of the reduce's 2.5. griddepcontrol.launch_dependents early in the
-    # attention kernel (the reduce's programs crowd the few idle SMs: 11.0 -> 12.6 us there) or in
-    # the reduce (the next launch's programs hold registers the reduce's still need: 0.4-0.7 us
-    # faster on most split launches, 1.0-1.6 us slower on four of 16).
+    # split alone cost 1.7 us of the reduce's 2.5. Merging in thread-block clusters (a prototype
+    # kernel: a row block's 8 splits in one 8-program cluster, barrier.cluster, then each program
+    # merging 64 of the 512 columns from L2): 0-1.0 us under the reduce (512 rows x 1k x 8 splits
+    # 21.3 -> 20.9 us), the barrier alone 0-0.5 us; the 16-program clusters that the latency-bound
+    # plans' 16-128 splits would need ran twice as slow (16 splits: 16.6 -> 30.7 us).
+    # griddepcontrol.launch_dependents early in the attention kernel (the reduce's programs crowd
+    # the few idle SMs: 11.0 -> 12.6 us there) or in the reduce (the next launch's programs hold
+    # registers the reduce's still need: 0.4-0.7 us faster on most split launches, 1.0-1.6 us
+    # slower on four of 16).
     pdl = _has_pdl(out.device)
     _mla_reduce_kernel[(num_tokens, num_heads, KV_LORA_RANK // block_d)](
         o_part, lse, out, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_splits,

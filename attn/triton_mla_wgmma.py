@@ -469,6 +469,8 @@ def _mla_wgmma_kernel(
     mbarrier.init(q_ready, count=BLOCK_Q)
     fence_async_shared()  # the barriers, before the first TMA
     gl.thread_barrier()
+    # Prefetching the four TMA descriptors here (prefetch.tensormap), ahead of the wait, changed
+    # nothing (H100: within 0.2 us on 14 latency-bound launches).
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 

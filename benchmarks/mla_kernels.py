@@ -6,11 +6,13 @@ L2. Roofline = max(KV bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) with
 KV bytes = tokens * 576 * 2 (--kv-dtype fp8: * 1) and FLOPs = tokens * heads * q_len * 1088 * 2.
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep] [--kv-dtype fp8]
+    python -m benchmarks.mla_kernels --breakdown
 
 Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
 power that nvidia-smi reads while our kernel's graph replays for half a second (sustained_clock).
 --sweep also times alternative launch configurations and split counts of the Triton kernel (for
-retuning select_config/plan_launch).
+retuning select_config/plan_launch). --breakdown only prints where the small launches' time goes:
+the attention kernel alone against attention plus reduce, next to the time of an empty launch.
 """
 
 import argparse
@@ -25,15 +27,18 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from attn.triton_mla_kernel import _launch, mla_paged_attention, plan_for
-from attn.triton_mla_plan import KernelConfig, tile_shape
+from attn.triton_mla_plan import KernelConfig, min_split_len, narrow_partials, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 ROTATE_BYTES = 256 << 20  # rotate KV copies until this many bytes are touched per graph
 SM_SCALE = 192 ** -0.5
+_BREAKDOWN_GRID = 128  # programs of the empty launch that --breakdown times as the floor
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
@@ -153,6 +158,14 @@ class Case:
         return lambda: mla_paged_attention(
             self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
             SM_SCALE, out=self.out)
+
+    def attention_call(self, rotation: int):
+        """The attention kernel of triton_call alone, without the reduce of its split partials."""
+        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len)
+        min_chunk = min_split_len(plan.tile, narrow_partials(config, self.heads, self.q_len))
+        return lambda: _launch(
+            self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
+            SM_SCALE, None, self.out, 1.0, plan.num_splits, plan.tile, config, min_chunk, reduce=False)
 
     def launch_call(self, rotation: int, num_splits: int, config: KernelConfig):
         """Exactly num_splits chunks (min chunk = one tile) with the given launch config."""
@@ -283,6 +296,40 @@ def sweep(bandwidth: float) -> None:
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _empty_kernel(flag_ptr):
+    """A launch that does nothing but wait for the kernel before it (as ours do) and store a flag."""
+    tl.extra.cuda.gdc_wait()
+    tl.store(flag_ptr + tl.program_id(0), 1)
+
+
+def breakdown() -> None:
+    """Graph time of the default path against its attention kernel alone on the small-batch shapes
+    (the difference: the reduce of the split partials), after the floor: the graph time of a
+    programmatic dependent launch of a wave of empty programs. Meant for the latency-bound rows: on
+    the longest ones the clock the power cap leaves moves either time by more than the reduce."""
+    flag = torch.zeros(_BREAKDOWN_GRID, dtype=torch.int32, device="cuda")
+
+    def empty():
+        _empty_kernel[(_BREAKDOWN_GRID,)](flag, launch_pdl=True)
+
+    floor = graph_time_us([empty] * 20)
+    print(f"\nfloor: {floor:.2f} us a launch of {_BREAKDOWN_GRID} empty programs, back to back in a graph")
+    print(f"{'batch':>5} {'seq_len':>7} {'q_len':>5} {'heads':>5} {'tile':>5} {'splits':>6} {'kernel':>6} "
+          f"{'full_us':>8} {'attention_us':>12} {'reduce_us':>9}")
+    for shape in itertools.product([1, 8], [1024, 4096, 16384], [1, 4], [16, 128]):
+        case = Case(*shape)
+        plan, config = plan_for(case.q, case.kv_pool[0], case.block_tables, case.q_len)
+        full = graph_time_us([case.triton_call(r) for r in range(case.rotations)])
+        attention = graph_time_us([case.attention_call(r) for r in range(case.rotations)])
+        print(f"{case.batch:>5} {case.seq_len:>7} {case.q_len:>5} {case.heads:>5} "
+              f"{f'{plan.tile.block_h}x{plan.tile.block_q}':>5} {plan.num_splits:>6} "
+              f"{'wgmma' if config.wgmma else 'triton':>6} {full:>8.2f} {attention:>12.2f} {full - attention:>9.2f}",
+              flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+
 def profile() -> None:
     """Eager calls of the default path on a few shapes, to run under ncu."""
     for shape in [(1, 1024, 1, 16), (1, 16384, 1, 16), (8, 4096, 1, 16), (32, 4096, 4, 128)]:
@@ -299,6 +346,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
     parser.add_argument("--profile", action="store_true", help="only run a few shapes eagerly (for ncu)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only time the small-batch shapes' attention kernel alone and with the reduce")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
                         help="cache dtype of the table, not of --sweep (fp8: e4m3; KV bytes in the roofline "
                              "are 1 a value)")
@@ -306,6 +355,9 @@ def main() -> None:
     args.out = args.out or Path(f"benchmarks/mla_kernels{'_fp8' if args.kv_dtype == 'fp8' else ''}.png")
     if args.profile:
         profile()
+        return
+    if args.breakdown:
+        breakdown()
         return
 
     bandwidth = copy_bandwidth()
