@@ -371,7 +371,7 @@ def mla_paged_attention(
     plan, config = plan_for(q, kv_cache, block_tables, max_q_len)
     _launch(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, sm_scale, custom_mask, out,
             kv_scale, num_splits or plan.num_splits, plan.tile, config,
-            min_split_len(plan.tile, narrow_partials(config, num_heads, max_q_len)), plan.discard_partials)
+            plan_min_chunk(plan, config, num_heads, max_q_len), plan.discard_partials)
     return out
 
 
@@ -384,6 +384,12 @@ def plan_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor
     wgmma = triton_mla_wgmma.supports(q, kv_cache)
     plan = plan_launch(block_tables.shape[0], q.shape[1], max_q_len, max_kv_len, _num_sms(q.device), wide_tiles=wgmma)
     return plan, launch_config(plan, wgmma)
+
+
+def plan_min_chunk(plan: LaunchPlan, config: KernelConfig, num_heads: int, max_q_len: int) -> int:
+    """The shortest kv chunk of a split that mla_paged_attention launches the plan with:
+    min_split_len of its tile, for the partials ``config`` writes (narrow_partials)."""
+    return min_split_len(plan.tile, narrow_partials(config, num_heads, max_q_len))
 
 
 def _launch(

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn.triton_mla_kernel import _launch, mla_paged_attention, plan_for
-from attn.triton_mla_plan import KernelConfig, min_split_len, narrow_partials, tile_shape
+from attn.triton_mla_kernel import _launch, mla_paged_attention, plan_for, plan_min_chunk
+from attn.triton_mla_plan import KernelConfig, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64
@@ -154,6 +154,13 @@ class Case:
     def flops(self) -> int:
         return self.batch * self.seq_len * self.heads * self.q_len * 1088 * 2
 
+    def plan_fields(self) -> dict:
+        """The shape and what mla_paged_attention plans for it: the first columns of a table row."""
+        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len)
+        return dict(batch=self.batch, seq_len=self.seq_len, q_len=self.q_len, heads=self.heads,
+                    tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
+                    kernel="wgmma" if config.wgmma else "triton")
+
     def triton_call(self, rotation: int):
         return lambda: mla_paged_attention(
             self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
@@ -162,10 +169,10 @@ class Case:
     def attention_call(self, rotation: int):
         """The attention kernel of triton_call alone, without the reduce of its split partials."""
         plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len)
-        min_chunk = min_split_len(plan.tile, narrow_partials(config, self.heads, self.q_len))
         return lambda: _launch(
             self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
-            SM_SCALE, None, self.out, 1.0, plan.num_splits, plan.tile, config, min_chunk, reduce=False)
+            SM_SCALE, None, self.out, 1.0, plan.num_splits, plan.tile, config,
+            plan_min_chunk(plan, config, self.heads, self.q_len), reduce=False)
 
     def launch_call(self, rotation: int, num_splits: int, config: KernelConfig):
         """Exactly num_splits chunks (min chunk = one tile) with the given launch config."""
@@ -203,11 +210,7 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     ours = case.out.clone()
     ours_us = graph_time_us(ours_calls)
     roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
-    plan, config = plan_for(case.q, case.kv_pool[0], case.block_tables, case.q_len)
-    row = dict(batch=case.batch, seq_len=case.seq_len, q_len=case.q_len, heads=case.heads,
-               tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
-               kernel="wgmma" if config.wgmma else "triton",
-               triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
+    row = dict(case.plan_fields(), triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
                frac_roofline=roof_us / ours_us, sm_mhz=float("nan"), watts=float("nan"), fa3_us=float("nan"),
                fa3_frac=float("nan"), speedup_vs_fa3=float("nan"), max_diff_vs_fa3=float("nan"))
     if with_fa3:
@@ -231,11 +234,16 @@ COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads
            ("fa3_frac", "{:>8.2f}"), ("speedup_vs_fa3", "{:>14.2f}"), ("max_diff_vs_fa3", "{:>15.4f}")]
 
 
-def print_row(row: dict | None) -> None:
+# The shape and plan columns of the table, then the times of --breakdown.
+_BREAKDOWN_COLUMNS = COLUMNS[:7] + [("full_us", "{:>8.2f}"), ("attention_us", "{:>12.2f}"), ("reduce_us", "{:>9.2f}")]
+
+
+def print_row(row: dict | None, columns: list = COLUMNS) -> None:
+    """One table row of ``columns`` (name, format) from ``row``; None: the header."""
     if row is None:
-        print(" ".join(f"{name:>{len(fmt.format(0))}}" for name, fmt in COLUMNS))
+        print(" ".join(f"{name:>{len(fmt.format(0))}}" for name, fmt in columns))
         return
-    print(" ".join(fmt.format(row[name]) for name, fmt in COLUMNS), flush=True)
+    print(" ".join(fmt.format(row[name]) for name, fmt in columns), flush=True)
 
 
 def plot(rows: list[dict], path: Path, kv_dtype: str) -> None:
@@ -315,17 +323,13 @@ def breakdown() -> None:
 
     floor = graph_time_us([empty] * 20)
     print(f"\nfloor: {floor:.2f} us a launch of {_BREAKDOWN_GRID} empty programs, back to back in a graph")
-    print(f"{'batch':>5} {'seq_len':>7} {'q_len':>5} {'heads':>5} {'tile':>5} {'splits':>6} {'kernel':>6} "
-          f"{'full_us':>8} {'attention_us':>12} {'reduce_us':>9}")
+    print_row(None, _BREAKDOWN_COLUMNS)
     for shape in itertools.product([1, 8], [1024, 4096, 16384], [1, 4], [16, 128]):
         case = Case(*shape)
-        plan, config = plan_for(case.q, case.kv_pool[0], case.block_tables, case.q_len)
         full = graph_time_us([case.triton_call(r) for r in range(case.rotations)])
         attention = graph_time_us([case.attention_call(r) for r in range(case.rotations)])
-        print(f"{case.batch:>5} {case.seq_len:>7} {case.q_len:>5} {case.heads:>5} "
-              f"{f'{plan.tile.block_h}x{plan.tile.block_q}':>5} {plan.num_splits:>6} "
-              f"{'wgmma' if config.wgmma else 'triton':>6} {full:>8.2f} {attention:>12.2f} {full - attention:>9.2f}",
-              flush=True)
+        print_row(dict(case.plan_fields(), full_us=full, attention_us=attention, reduce_us=full - attention),
+                  _BREAKDOWN_COLUMNS)
         del case
         torch.cuda.empty_cache()
 
