@@ -6,6 +6,7 @@ L2. Roofline = max(KV bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) with
 KV bytes = tokens * 576 * 2 (--kv-dtype fp8: * 1) and FLOPs = tokens * heads * q_len * 1088 * 2.
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep] [--kv-dtype fp8]
+                                     [--table-tokens 131072]
     python -m benchmarks.mla_kernels --breakdown
 
 Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
@@ -13,6 +14,8 @@ power that nvidia-smi reads while our kernel's graph replays for half a second (
 --sweep also times alternative launch configurations and split counts of the Triton kernel (for
 retuning select_config/plan_launch). --breakdown only prints where the small launches' time goes:
 the attention kernel alone against attention plus reduce, next to the time of an empty launch.
+--table-tokens sizes the block tables for a longer context than the requests' (mla_paged_attention
+plans a launch for the table's width unless given a max_kv_len).
 """
 
 import argparse
@@ -128,18 +131,25 @@ def sustained_clock(calls: list, seconds: float = 0.5) -> tuple[float, float]:
 
 class Case:
     """Inputs of one shape: uniform requests, page size 64, shuffled pages, rotated KV copies in
-    kv_dtype (bf16, or fp8 e4m3 with a unit scale)."""
+    kv_dtype (bf16, or fp8 e4m3 with a unit scale). ``table_tokens``: block tables (and caches)
+    that wide, as an engine's that span its longest context (default: the requests' length)."""
 
-    def __init__(self, batch: int, seq_len: int, q_len: int, heads: int, kv_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, batch: int, seq_len: int, q_len: int, heads: int, kv_dtype: torch.dtype = torch.bfloat16,
+                 table_tokens: int | None = None):
         self.batch, self.seq_len, self.q_len, self.heads = batch, seq_len, q_len, heads
         pages_per_req = math.ceil(seq_len / PAGE_SIZE)
         num_pages = batch * pages_per_req
         self.kv_row_bytes = 576 * kv_dtype.itemsize
         copy_bytes = num_pages * PAGE_SIZE * self.kv_row_bytes
         self.rotations = max(1, min(64, ROTATE_BYTES // copy_bytes))
-        self.kv_pool = torch.randn(self.rotations, num_pages, PAGE_SIZE, 576, device="cuda").to(kv_dtype)
-        pages = torch.randperm(num_pages, device="cuda").to(torch.int32)
-        self.block_tables = pages.view(batch, pages_per_req)
+        table_pages = max(pages_per_req, math.ceil((table_tokens or 0) / PAGE_SIZE))
+        # Pages past the requests' are never read: allocated (the plan bounds sequences by the
+        # cache too), not filled.
+        self.kv_pool = torch.empty(self.rotations, max(num_pages, table_pages), PAGE_SIZE, 576, device="cuda",
+                                   dtype=kv_dtype)
+        self.kv_pool[:, :num_pages] = torch.randn(self.rotations, num_pages, PAGE_SIZE, 576, device="cuda")
+        self.pages = torch.randperm(num_pages, device="cuda").to(torch.int32).view(batch, pages_per_req)
+        self.block_tables = torch.nn.functional.pad(self.pages, (0, table_pages - pages_per_req))
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
         self.cu_seqlens_q = (torch.arange(batch + 1, device="cuda") * q_len).to(torch.int32)
         self.kv_indptr = (torch.arange(batch + 1, device="cuda") * pages_per_req).to(torch.int32)
@@ -187,12 +197,12 @@ def fa3_calls(case: Case):
     from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    indptr, indices = case.kv_indptr.clone(), case.block_tables.flatten().clone()
+    indptr, indices = case.kv_indptr.clone(), case.pages.flatten().clone()
     wrapper = BatchMLAPagedAttentionWrapper(
         workspace, use_cuda_graph=True, qo_indptr=case.cu_seqlens_q.clone(), kv_indptr=indptr,
         kv_indices=indices, kv_len_arr=case.seq_lens.clone(), backend="fa3")
     wrapper.plan(
-        metadata=MLAPlanMetadata.csr(case.cu_seqlens_q, case.kv_indptr, case.block_tables.flatten(), case.seq_lens),
+        metadata=MLAPlanMetadata.csr(case.cu_seqlens_q, case.kv_indptr, case.pages.flatten(), case.seq_lens),
         num_heads=case.heads, head_dim_ckv=512, head_dim_kpe=64, page_size=PAGE_SIZE, causal=case.q_len > 1,
         sm_scale=SM_SCALE, q_data_type=torch.bfloat16, kv_data_type=case.kv_pool.dtype)
     out = torch.empty_like(case.out)
@@ -346,7 +356,7 @@ def profile() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="PNG path (default benchmarks/mla_kernels[_fp8].png)")
+    parser.add_argument("--out", type=Path, help="PNG path (default benchmarks/mla_kernels[_fp8][_table<N>].png)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
     parser.add_argument("--profile", action="store_true", help="only run a few shapes eagerly (for ncu)")
@@ -355,8 +365,12 @@ def main() -> None:
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
                         help="cache dtype of the table, not of --sweep (fp8: e4m3; KV bytes in the roofline "
                              "are 1 a value)")
+    parser.add_argument("--table-tokens", type=int,
+                        help="block tables this many tokens wide, as an engine's under CUDA graphs (default: "
+                             "each shape's seq_len); our kernel plans for the width, FA3 for the lengths")
     args = parser.parse_args()
-    args.out = args.out or Path(f"benchmarks/mla_kernels{'_fp8' if args.kv_dtype == 'fp8' else ''}.png")
+    suffix = ("_fp8" if args.kv_dtype == "fp8" else "") + (f"_table{args.table_tokens}" if args.table_tokens else "")
+    args.out = args.out or Path(f"benchmarks/mla_kernels{suffix}.png")
     if args.profile:
         profile()
         return
@@ -366,6 +380,8 @@ def main() -> None:
 
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    if args.table_tokens:
+        print(f"block tables {args.table_tokens} tokens wide")
     try:
         import flashinfer.mla  # noqa: F401
 
@@ -385,7 +401,7 @@ def main() -> None:
     print()
     print_row(None)
     for shape in shapes:
-        case = Case(*shape, kv_dtype=KV_DTYPES[args.kv_dtype])
+        case = Case(*shape, kv_dtype=KV_DTYPES[args.kv_dtype], table_tokens=args.table_tokens)
         rows.append(bench_case(case, bandwidth, with_fa3))
         if with_fa3 and math.isnan(rows[-1]["fa3_us"]):  # e.g. a cache dtype FA3 does not take
             with_fa3 = False

@@ -84,11 +84,11 @@ def random_mask(batch, max_q_len, mask_len, gen, device):
     return (torch.rand(batch, max_q_len, mask_len, generator=gen) < 0.5).to(device)
 
 
-def check(args, max_q_len, custom_mask=None, kv_scale=1.0, num_splits=None):
+def check(args, max_q_len, custom_mask=None, kv_scale=1.0, num_splits=None, max_kv_len=None):
     """The kernel against reference(). V, and so the error of each 16-bit rounding (output and
     split partials, where partials of either sign can cancel), scales with kv_scale: atol grows with it."""
     out = mla_paged_attention(**args, max_q_len=max_q_len, sm_scale=SM_SCALE, custom_mask=custom_mask,
-                              kv_scale=kv_scale, num_splits=num_splits)
+                              kv_scale=kv_scale, num_splits=num_splits, max_kv_len=max_kv_len)
     ref = reference(args["q"], args["kv_cache"], args["block_tables"], args["seq_lens"], args["cu_seqlens_q"],
                     SM_SCALE, custom_mask, kv_scale)
     got = out.float().cpu()
@@ -244,6 +244,10 @@ def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
     for width, pages, splits in ((64, 40, 40), (16, 16, 16)):
         plan, config = plan_for(q, kv, torch.zeros(3, width, dtype=torch.int32), 4)
         assert plan == plan_launch(3, 16, 4, pages * 64, 132) and plan.num_splits == splits and not config.wgmma
+    # A caller's bound on the lengths, where it is below them: the plan is for the bound.
+    table = torch.zeros(3, 64, dtype=torch.int32)
+    assert plan_for(q, kv, table, 4, max_kv_len=1000)[0] == plan_launch(3, 16, 4, 1000, 132)
+    assert plan_for(q, kv, table, 4, max_kv_len=10**6)[0] == plan_launch(3, 16, 4, 40 * 64, 132)
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
@@ -275,6 +279,8 @@ def _valid_args():
         (lambda a: a.update(out=torch.empty(2, 16, 576, dtype=torch.bfloat16)), r"out must be \[2, 16, 512\]"),
         (lambda a: a.update(num_splits=0), "num_splits must be"),
         (lambda a: a.update(num_splits=MAX_SPLITS + 1), "num_splits must be"),
+        (lambda a: a.update(max_kv_len=0), "max_kv_len must be a positive int"),
+        (lambda a: a.update(max_kv_len=2.0), "max_kv_len must be a positive int"),
     ],
 )
 def test_argument_checks(change, message):
@@ -307,6 +313,7 @@ args, q = make_inputs([300, 0, 9, 1], [2, 1, 3, 0], 16, 4, "cpu", gen=gen, **hal
 check(args, q)
 check(args, q, num_splits=3)
 check(args, q, custom_mask=random_mask(4, q, 3, gen, "cpu"), num_splits=2)
+check(args, q, max_kv_len=16)  # planned for 16 rows: the 300-row request in more, longer chunks
 args, q = make_inputs([40, 7], [4, 4], 8, 1, "cpu", gen=gen, **half)
 check(args, q, custom_mask=random_mask(2, q, 9, gen, "cpu"))
 print("ok")
@@ -451,6 +458,23 @@ def test_many_programs_with_empty_splits_and_a_padded_query(num_heads, q_len):
         assert plan_for(args["q"], args["kv_cache"], args["block_tables"], q)[1].wgmma
     check(args, q, num_splits=7)
     check(args, q, custom_mask=random_mask(len(lens), q_len, q_len, gen, "cuda"), num_splits=7)
+
+
+@pytest.mark.parametrize("num_heads, q_len", [(16, 1), (16, 4), (128, 1)])
+@gpu
+def test_a_bound_below_the_lengths_plans_short_and_still_attends_everything(num_heads, q_len):
+    """Tables 29k rows wide (an engine's longest context) with a caller's bound of 1k: the plan of a
+    1k table (the narrow Triton tile), and requests past the bound still exact."""
+    gen = torch.Generator().manual_seed(8)
+    lens = [700, 13000]
+    args, q = make_inputs(lens, [q_len] * len(lens), num_heads, 64, "cuda", gen=gen, extra_pages=256)
+    bounded = plan_for(args["q"], args["kv_cache"], args["block_tables"], q, max_kv_len=1024)[0]
+    wide = plan_for(args["q"], args["kv_cache"], args["block_tables"], q)[0]
+    assert bounded == plan_for(args["q"], args["kv_cache"], args["block_tables"][:, :16], q)[0]
+    assert (bounded.tile, bounded.num_splits) != (wide.tile, wide.num_splits)
+    check(args, q, max_kv_len=1024)
+    if q_len > 1:
+        check(args, q, custom_mask=random_mask(len(lens), q_len, q_len, gen, "cuda"), max_kv_len=1024)
 
 
 @pytest.mark.parametrize("num_heads, q_len", [(16, 4), (128, 1), (16, 1)])
