@@ -86,6 +86,8 @@ class AttnBatch:
     uniform_q_len: every request has exactly ``max_q_len`` query tokens.
     custom_mask: ``[B, max_q_len, M]`` bool or None: visibility of the last M kv positions of each
         request (earlier positions are always visible). None means causal.
+    max_kv_len: a host bound on every ``seq_lens`` value, which backends plan their kernel launches
+        for (``kv_len_bounds``); None: the longest context (the block tables' width).
     """
 
     mode: ForwardMode
@@ -96,6 +98,7 @@ class AttnBatch:
     max_q_len: int
     uniform_q_len: bool
     custom_mask: Optional[torch.Tensor] = None
+    max_kv_len: Optional[int] = None
 
     @property
     def batch_size(self) -> int:
@@ -150,3 +153,9 @@ class AttentionBackend(Protocol):
 
     def get_verify_buffers_to_fill_after_draft(self) -> list[Optional[torch.Tensor]]:
         """Preallocated buffers the tree builder writes in place: ``[tree_mask or None]``."""
+
+    def kv_len_bounds(self, batch_size: int, q_len: int) -> tuple[int, ...]:
+        """Kv lengths (ascending, below the longest context) up to which a uniform pass of
+        ``batch_size`` requests x ``q_len`` tokens launches another kernel plan than the longest
+        context's: a graph captured with such an ``AttnBatch.max_kv_len`` runs that plan. Empty
+        where the plan does not follow the kv length."""

@@ -30,7 +30,8 @@ class PagedMetadata:
     """Per-pass kernel arguments, all on the device.
 
     block_tables: ``[B, max_pages]`` int32; seq_lens: ``[B]`` int32; cu_seqlens_q: ``[B + 1]`` int32;
-    max_seq_len: static host bound of the kv length (the table width in tokens).
+    max_seq_len: static host bound of the kv length: the pass's ``max_kv_len``, else the table width
+    in tokens.
     """
 
     block_tables: torch.Tensor
@@ -98,8 +99,11 @@ class PagedMLABackend:
         tables = shared_block_tables
         if tables is None:
             tables = (self.kv.req_to_token[batch.req_pool_indices][:, :: self.page_size] // self.page_size).int()
+        max_seq_len = self.max_pages * self.page_size
+        if batch.max_kv_len is not None:
+            max_seq_len = min(batch.max_kv_len, max_seq_len)
         if self._graph_buffers is None:
-            self.metadata = PagedMetadata(tables, batch.seq_lens.int(), batch.cu_seqlens_q.int(), self.max_pages * self.page_size)
+            self.metadata = PagedMetadata(tables, batch.seq_lens.int(), batch.cu_seqlens_q.int(), max_seq_len)
             return
         static = self._graph_buffers
         if shared_block_tables is None:
@@ -107,7 +111,7 @@ class PagedMLABackend:
             tables = static.block_tables[:bs]
         static.seq_lens[:bs].copy_(batch.seq_lens)
         static.cu_seqlens_q[: bs + 1].copy_(batch.cu_seqlens_q)
-        self.metadata = PagedMetadata(tables, static.seq_lens[:bs], static.cu_seqlens_q[: bs + 1], static.max_seq_len)
+        self.metadata = PagedMetadata(tables, static.seq_lens[:bs], static.cu_seqlens_q[: bs + 1], max_seq_len)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         device = self.kv.device
@@ -123,6 +127,9 @@ class PagedMLABackend:
 
     def get_verify_buffers_to_fill_after_draft(self) -> list[Optional[torch.Tensor]]:
         return [self.tree_mask]
+
+    def kv_len_bounds(self, batch_size: int, q_len: int) -> tuple[int, ...]:
+        return ()
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
@@ -219,11 +226,13 @@ class RaggedKernelBackend(PagedMLABackend):
     def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
         bs, q_len = query.shape[:2]
         cu = const_arange((bs + 1) * q_len, query.device, q_len, torch.int32)
-        out = self._run_ragged_kernel(query.flatten(0, 1), kv_cache, block_tables, seq_lens, cu, q_len, custom_mask)
+        out = self._run_ragged_kernel(query.flatten(0, 1), kv_cache, block_tables, seq_lens, cu, q_len, custom_mask,
+                                      max_seq_len)
         return out.view(bs, q_len, *out.shape[1:])
 
     def _run_prefill_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len):
-        return self._run_ragged_kernel(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, None)
+        return self._run_ragged_kernel(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, None,
+                                       max_seq_len)
 
     def _run_ragged_kernel(
         self,
@@ -234,7 +243,9 @@ class RaggedKernelBackend(PagedMLABackend):
         cu_seqlens_q: torch.Tensor,
         max_q_len: int,
         custom_mask: Optional[torch.Tensor],
+        max_seq_len: int,
     ) -> torch.Tensor:
         """query ``[T, H, 576]`` packed by ``cu_seqlens_q`` ``[B + 1]`` int32; custom_mask
-        ``[B, max_q_len, M]`` bool or None (causal). Returns ``[T, H, 512]`` in query's dtype."""
+        ``[B, max_q_len, M]`` bool or None (causal); max_seq_len: host bound of seq_lens. Returns
+        ``[T, H, 512]`` in query's dtype."""
         raise NotImplementedError(f"{type(self).__name__} defines no ragged kernel")

@@ -12,7 +12,8 @@ class TorchRefBackend(RaggedKernelBackend):
     name = "torch_ref"
     kernel_family = "torch_ref"
 
-    def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask):
+    def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask,
+                           max_seq_len):
         return paged_mla_reference(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, self.layer.sm_scale,
             custom_mask=custom_mask, kv_scale=self.bmm2_scale(),

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from attn import triton_mla_wgmma
+from attn.base import KV_DIM
 from attn.paged import RaggedKernelBackend
+from attn.triton_mla_plan import narrow_plan_limit
 
 
 class TritonMLABackend(RaggedKernelBackend):
@@ -13,13 +16,32 @@ class TritonMLABackend(RaggedKernelBackend):
     required_sm = (8, 9, 10, 12)
     kv_dtypes = ("auto", "bf16", "fp16", "fp8_e4m3")
 
-    def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask):
+    def _query_dtype(self) -> torch.dtype:
+        """The kernel takes queries in the cache's 16-bit dtype (bf16 for an fp8 cache)."""
+        dtype = self.kv.kv_buffers[0].dtype
+        return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+    def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask,
+                           max_seq_len):
         from attn.triton_mla_kernel import mla_paged_attention
 
-        # The kernel takes queries in the cache's 16-bit dtype (bf16 for an fp8 cache).
-        q_dtype = kv_cache.dtype if kv_cache.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         out = mla_paged_attention(
-            query.to(q_dtype), kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, self.layer.sm_scale,
-            custom_mask=custom_mask, kv_scale=self.bmm2_scale(),
+            query.to(self._query_dtype()), kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len,
+            self.layer.sm_scale, custom_mask=custom_mask, kv_scale=self.bmm2_scale(), max_kv_len=max_seq_len,
         )
         return out.to(query.dtype)
+
+    def kv_len_bounds(self, batch_size: int, q_len: int) -> tuple[int, ...]:
+        """Where the longest context's plan runs the wgmma kernel's 64-row tile, the longest kv
+        length whose plan runs a narrow Triton tile (triton_mla_plan.narrow_plan_limit): a graph
+        captured for it launches the latency-bound plan that short requests of small batches
+        need (H100, tables 128k tokens wide against the requests' length: 1 x 1k x 16 heads 10.0
+        against 6.4 us; benchmarks/results/mla_kernels_table131072.log)."""
+        cache = self.kv.kv_buffers[0]
+        if cache.device.type != "cuda":
+            return ()
+        query = cache.new_empty(1, self.layer.num_heads, KV_DIM, dtype=self._query_dtype())
+        num_sms = torch.cuda.get_device_properties(cache.device).multi_processor_count
+        limit = narrow_plan_limit(batch_size, self.layer.num_heads, q_len, self.max_pages * self.page_size, num_sms,
+                                  triton_mla_wgmma.supports(query, cache))
+        return (limit,) if limit else ()

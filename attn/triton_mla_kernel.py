@@ -365,8 +365,8 @@ def mla_paged_attention(
         wide as an engine's longest context plan every launch for that context, which short
         requests pay for (H100, tables of 128k rows against the request's length: 1 x 1k x 16
         heads 10.8 against 6.5 us, 1 x 4k x 16 heads 12.0 against 8.6, 1 x 1k x 16 heads x q_len 4
-        10.5 against 7.4, 8 x 1k x 16 heads 13.0 against 11.1); under CUDA graphs, a graph per
-        context bucket with the bucket's bound gets the short plans back. Two launches a call
+        10.5 against 7.4, 8 x 1k x 16 heads 13.0 against 11.1); under CUDA graphs, a caller that
+        captures a graph per context bucket passes the bucket's bound. Two launches a call
         instead, a narrow-tile one for the short requests and the long plan's for the rest, each
         skipping the other's requests, cost 1.5-4 us more than either plan alone: one more kernel
         in the chain of dependent launches.

@@ -13,6 +13,8 @@ from attn import triton_mla_wgmma
 MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
 MAX_SPLITS = 128  # bounds the workspace and the reduce
 DISCARD_MIN_TOKENS = 32 * 1024  # batch x max_kv_len from which split partials are discarded from L2
+# narrow_plan_limit's shortest limit worth a bound of its own (a CUDA graph per bound and batch size)
+NARROW_LIMIT_MIN_KV = 1024
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,26 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
         config, slots, per_split, min_chunk, cap = waves(tile)
     num_splits = used_splits(max_kv_len, _whole_wave_splits(slots, per_split, cap), config.block_n, min_chunk)
     return LaunchPlan(tile, config, num_splits, num_splits > 1 and batch_size * max_kv_len >= DISCARD_MIN_TOKENS)
+
+
+def narrow_plan_limit(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int,
+                      wide_tiles: bool) -> int:
+    """The longest kv length, a multiple of 64 and at least NARROW_LIMIT_MIN_KV, whose plan runs a
+    narrow Triton tile (a latency-bound launch) where ``max_kv_len``'s runs the wgmma kernel's
+    64-row tile; 0 where there is none. Plans are narrow up to some length and 64-row from it on:
+    found by bisection."""
+
+    def wide(tiles_of_64: int) -> bool:
+        plan = plan_launch(batch_size, num_heads, max_q_len, tiles_of_64 * 64, num_sms, wide_tiles)
+        return plan.tile.rows == MAX_ROWS
+
+    narrow, wide_from = 0, max_kv_len // 64  # in 64-row units: wide(narrow) is false, wide(wide_from) true
+    if not wide_tiles or wide_from == 0 or not wide(wide_from):
+        return 0
+    while wide_from - narrow > 1:
+        mid = (narrow + wide_from) // 2
+        narrow, wide_from = (narrow, mid) if wide(mid) else (mid, wide_from)
+    return narrow * 64 if narrow * 64 >= NARROW_LIMIT_MIN_KV else 0
 
 
 def chunk_len(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int:

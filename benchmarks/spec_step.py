@@ -162,7 +162,7 @@ def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     runner = GraphRunner(worker, progress=False)
-    print(f"# {backend}: captured {len(GRAPH_KINDS) * len(runner.buckets)} graphs for buckets {runner.buckets} in "
+    print(f"# {backend}: captured {len(GRAPH_KINDS) * len(runner.captured)} graphs for buckets {runner.buckets} in "
           f"{runner.capture_seconds:.2f} s, {(torch.cuda.memory_allocated() - before) / 2**20:.0f} MiB", flush=True)
 
 

@@ -2,6 +2,11 @@
 steps + top-k, ending in the verify tree), target verify (+ accept, KV commit, and the copy of
 the emitted tokens and stops to the host) and draft-extend (+ the next state written back).
 
+A bucket's step is captured once more per kv bound its backends plan shorter contexts for
+(``worker.kv_len_buckets``: e.g. triton_mla's latency-bound narrow tiles, which a launch planned
+for the longest context would not run); a step replays the graphs of the smallest bound that
+holds its longest request (host lengths), else those planned for the longest context.
+
 Each kind is a graph of its own, replayable alone (``replay(bucket, kind)``). Nothing on the
 host runs between them in a step, so a step launches the three as child nodes of one
 executable graph (graphs.joined): one launch instead of three (measured on the H100 host: 7.8
@@ -77,8 +82,8 @@ GRAPH_KINDS = ("draft", "verify", "draft_extend")
 
 @dataclass
 class _Captured:
-    """A bucket's graphs (GRAPH_KINDS order), their joined step, and the stages' outputs
-    (``draft``: tree; ``verify``: result, hidden), which live in graph memory."""
+    """A bucket's graphs (GRAPH_KINDS order) for one kv bound, their joined step, and the stages'
+    outputs (``draft``: tree; ``verify``: result, hidden), which live in graph memory."""
 
     graphs: dict[str, torch.cuda.CUDAGraph]
     step: JoinedGraph
@@ -111,9 +116,11 @@ class GraphRunner:
             "draft_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=worker.device),
             **{name: t.zero_() for name, t in vars(st).items()},
         })
+        # Per bucket: the bounds on N its steps are captured for, ascending; None: the longest context.
+        self.kv_bounds = {bs: [*worker.kv_len_buckets(bs), None] for bs in self.buckets}
         self.pool = torch.cuda.graph_pool_handle()
-        self.captured: dict[int, _Captured] = {}
-        self._views: dict[int, tuple] = {}  # batch size -> (result, state, tree) views of graph memory
+        self.captured: dict[tuple[int, Optional[int]], _Captured] = {}  # (bucket, kv bound)
+        self._views: dict[tuple, tuple] = {}  # (batch size, bucket, kv bound) -> (result, state, tree) views
         self._resident: Optional[tuple] = None  # (state, target_rows, draft_rows) the static inputs hold
         self.capture_seconds = self._capture_all(progress)
         worker.graph_runner = self
@@ -143,29 +150,49 @@ class GraphRunner:
     def _capture_all(self, progress: bool) -> float:
         gc.collect()  # garbage holding graphs or pinned memory must not be freed mid-capture
         start = time.perf_counter()
-        for i, bs in enumerate(reversed(self.buckets)):  # largest first: later graphs reuse its pool memory
-            if progress:
-                print(f"\rcapturing CUDA graphs: batch size {bs:4d} ({i + 1}/{len(self.buckets)})", end="", file=sys.stderr)
-            inputs = self.static.view(bs)
-            stages, outputs = self._stages(inputs)
-            if self.host_planned:
-                self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: lazy inits, autotuning, JIT
-                for body in stages.values():
-                    body()
-            torch.cuda.current_stream().wait_stream(stream)
-            graphs = {}
-            for kind, body in stages.items():  # the stages' outputs stay referenced: later graphs read them
-                graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)
-                with torch.cuda.graph(graphs[kind], pool=self.pool):
-                    body()
-            self.captured[bs] = _Captured(graphs, JoinedGraph(list(graphs.values())), outputs)
+        # Largest first (later graphs reuse its pool memory), the longest context's bound first.
+        keys = [(bs, bound) for bs in reversed(self.buckets) for bound in reversed(self.kv_bounds[bs])]
+        try:
+            for i, (bs, bound) in enumerate(keys):
+                if progress:
+                    print(f"\rcapturing CUDA graphs: batch size {bs:4d}, kv bound {bound or 'none':>6} "
+                          f"({i + 1}/{len(keys)})", end="", file=sys.stderr)
+                self.worker.kv_len_bound = bound  # the passes' AttnBatch.max_kv_len, in the captured launches
+                self.captured[bs, bound] = self._capture(bs)
+        finally:
+            self.worker.kv_len_bound = None
         torch.cuda.synchronize()
         if progress:
             print(file=sys.stderr)
         return time.perf_counter() - start
+
+    def _capture(self, bs: int) -> _Captured:
+        """The step over the first ``bs`` rows of the static inputs, as GRAPH_KINDS graphs."""
+        inputs = self.static.view(bs)
+        stages, outputs = self._stages(inputs)
+        if self.host_planned:
+            self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: lazy inits, autotuning, JIT
+            for body in stages.values():
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = {}
+        for kind, body in stages.items():  # the stages' outputs stay referenced: later graphs read them
+            graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graphs[kind], pool=self.pool):
+                body()
+        return _Captured(graphs, JoinedGraph(list(graphs.values())), outputs)
+
+    def kv_bound(self, bucket: int) -> Optional[int]:
+        """The kv bound whose graphs serve the running batch in ``bucket``: the smallest that holds
+        its longest request (host lengths), else None (the longest context's)."""
+        bounds = self.kv_bounds[bucket]
+        if len(bounds) == 1:
+            return None
+        longest = self.worker.longest_seq_len()
+        return next(bound for bound in bounds if bound is None or longest <= bound)
 
     def run(self, state, target_rows: torch.Tensor, draft_rows: torch.Tensor) -> Optional[tuple[AcceptResult, object, VerifyTree]]:
         """Replay the step for a live batch (state: a DecodeState, rows ``[b]`` int64); returns
@@ -183,24 +210,25 @@ class GraphRunner:
             self.static.fill({"target_rows": target_rows, "draft_rows": draft_rows, **vars(state)}, bucket)
         if self.host_planned:
             self.worker.plan_passes_on_host(self.worker.host_seq_lens(bucket))
-        self.replay(bucket)
-        views = self._views.get(b) or self._make_views(b, bucket)
+        bound = self.kv_bound(bucket)
+        self.replay(bucket, kv_bound=bound)
+        views = self._views.get((b, bucket, bound)) or self._make_views(b, bucket, bound)
         self._resident = (views[1], target_rows, draft_rows)
         return views
 
-    def replay(self, bucket: int, kind: Optional[str] = None) -> None:
-        """The bucket's step (all kinds, one launch) or one kind of graph alone, on the static
-        inputs as they are; kinds replayed alone must come in GRAPH_KINDS order."""
-        cap = self.captured[bucket]
+    def replay(self, bucket: int, kind: Optional[str] = None, kv_bound: Optional[int] = None) -> None:
+        """The bucket's step for ``kv_bound`` (all kinds, one launch) or one kind of graph alone, on
+        the static inputs as they are; kinds replayed alone must come in GRAPH_KINDS order."""
+        cap = self.captured[bucket, kv_bound]
         if kind is None:
             cap.step.launch()
         else:
             cap.graphs[kind].replay()
 
-    def _make_views(self, b: int, bucket: int) -> tuple:
-        out, rows = self.captured[bucket].outputs, slice(0, b)
+    def _make_views(self, b: int, bucket: int, kv_bound: Optional[int]) -> tuple:
+        out, rows = self.captured[bucket, kv_bound].outputs, slice(0, b)
         views = (AcceptResult(*(t[rows] for t in vars(out["result"]).values())),
                  self.worker.state_from(self.static.view(b)),
                  VerifyTree(*(t[rows] for t in vars(out["tree"]).values())))
-        self._views[b] = views
+        self._views[b, bucket, kv_bound] = views
         return views

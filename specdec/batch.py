@@ -30,17 +30,19 @@ def uniform_batch(
     q_len: int,
     seq_lens: torch.Tensor,
     custom_mask: Optional[torch.Tensor] = None,
+    max_kv_len: Optional[int] = None,
 ) -> AttnBatch:
     """A pass with ``q_len`` new tokens per request, stored at kv indices
     ``first_index .. first_index + q_len - 1`` of each request.
 
-    rows: ``[B]`` int64 req_to_token rows; first_index / seq_lens: ``[B]`` int64 (device).
+    rows: ``[B]`` int64 req_to_token rows; first_index / seq_lens: ``[B]`` int64 (device);
+    max_kv_len: host bound of seq_lens (AttnBatch.max_kv_len).
     """
     device = rows.device
     offsets = const_arange(q_len, device)
     out_cache_loc = req_to_token[rows[:, None], first_index[:, None] + offsets[None, :]].flatten().long()
     cu = const_arange((rows.shape[0] + 1) * q_len, device, q_len, torch.int32)
-    return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask)
+    return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask, max_kv_len)
 
 
 def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int]) -> AttnBatch:

@@ -32,6 +32,7 @@ from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_li
 
 
 GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
+KV_BOUND_GAP = 64  # kv rows within which EagleWorker.kv_len_buckets keeps one bound
 
 
 @dataclass
@@ -157,6 +158,9 @@ class EagleWorker:
         self.state: Optional[DecodeState] = None
         self.last_tree: Optional[VerifyTree] = None  # the tree verified by the last step, for inspection
         self.graph_runner = None  # set by graphs.runner.GraphRunner(worker)
+        # A bound on N the step's passes plan their kernels for (AttnBatch.max_kv_len: N + the pass's
+        # extra kv rows); the graph runner sets it while it captures a kv bucket's step. None: none.
+        self.kv_len_bound: Optional[int] = None
         self._next_rid = 0
         self._batch: Optional[_BatchHost] = None  # host arrays of the running batch; None: rebuild
         # the step's one copy to the host: [bs, num_steps + 4] = emitted tokens, accept_len, take, done
@@ -348,17 +352,46 @@ class EagleWorker:
         lens[: len(self.requests)] = torch.from_numpy(self._batch_host().seq_len)
         return lens
 
+    def longest_seq_len(self) -> int:
+        """The largest N of the running batch (host)."""
+        return int(self._batch_host().seq_len.max())
+
+    def pass_shapes(self) -> list[tuple[object, int, int]]:
+        """(backend, extra kv rows, query tokens) of every pass of a step, in order: a pass over a
+        request of length N attends N + extra kv rows, as draft_tree / verify / draft_extend build it."""
+        cfg, off = self.config, self.draft_offset
+        shapes = [(backend, off + j * cfg.topk, cfg.topk) for j, backend in enumerate(self.draft_backend.steps, start=1)]
+        shapes += [(self.verify_backend, cfg.num_draft_tokens, cfg.num_draft_tokens),
+                   (self.draft_extend_backend, off + cfg.num_steps + 1, cfg.num_steps + 1)]
+        return shapes
+
+    def _max_kv_len(self, extra: int) -> Optional[int]:
+        """The bound of a pass of N + extra kv rows under kv_len_bound (None: no bound)."""
+        return None if self.kv_len_bound is None else self.kv_len_bound + extra
+
+    def kv_len_buckets(self, batch_size: int) -> list[int]:
+        """Bounds on N (ascending) up to which some pass of a step over ``batch_size`` requests
+        launches another kernel plan than for the longest context (its backend's kv_len_bounds):
+        a CUDA graph of the step per bound serves the batches whose requests are all that short.
+        Of bounds within KV_BOUND_GAP rows of each other (one backend's bound seen by passes of
+        different extra rows) only the smallest: the rest would each capture the step again for
+        a few lengths more."""
+        bounds = sorted({bound - extra for backend, extra, q_len in self.pass_shapes()
+                         for bound in backend.kv_len_bounds(batch_size, q_len) if bound > extra})
+        kept: list[int] = []
+        for bound in bounds:
+            if not kept or bound - kept[-1] > KV_BOUND_GAP:
+                kept.append(bound)
+        return kept
+
     def plan_passes_on_host(self, seq_lens: torch.Tensor) -> None:
         """Host planning of every pass of a step, for backends that plan on the host
         (``needs_cpu_seq_lens``) ahead of a graph replay. seq_lens: ``[bs]`` int32 host, the
-        requests' N; the kv length of each pass is the one draft_tree / verify / draft_extend use."""
-        cfg, off, bs = self.config, self.draft_offset, seq_lens.shape[0]
-        passes = [(backend, seq_lens + off + j * cfg.topk, cfg.topk) for j, backend in enumerate(self.draft_backend.steps, start=1)]
-        passes += [(self.verify_backend, seq_lens + cfg.num_draft_tokens, cfg.num_draft_tokens),
-                   (self.draft_extend_backend, seq_lens + off + cfg.num_steps + 1, cfg.num_steps + 1)]
-        for backend, kv_lens, q_len in passes:
+        requests' N (pass_shapes: the kv lengths are N + extra)."""
+        bs = seq_lens.shape[0]
+        for backend, extra, q_len in self.pass_shapes():
             if backend.needs_cpu_seq_lens:
-                backend.init_forward_metadata_replay_cuda_graph(bs, kv_lens, q_len)
+                backend.init_forward_metadata_replay_cuda_graph(bs, seq_lens + extra, q_len)
 
     @torch.inference_mode()
     def spec_pass(
@@ -420,7 +453,7 @@ class EagleWorker:
         draft_len = st.seq_lens + off
         batches = [
             uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, draft_len + (j - 1) * topk, topk,
-                          draft_len + j * topk, None if topk == 1 else mask[:bs])
+                          draft_len + j * topk, None if topk == 1 else mask[:bs], self._max_kv_len(off + j * topk))
             for j, mask in zip(range(1, cfg.num_steps), self.draft_backend.tree_masks())
         ]
         if batches:
@@ -454,7 +487,7 @@ class EagleWorker:
         ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
         batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows,
-                              st.seq_lens, ndt, st.seq_lens + ndt, mask)
+                              st.seq_lens, ndt, st.seq_lens + ndt, mask, self._max_kv_len(ndt))
         positions = (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = self._forward(self.target, self.verify_backend, batch, tree.tokens.flatten(), positions)
         logits = self.target.compute_logits(hidden)
@@ -491,7 +524,7 @@ class EagleWorker:
         q_len = self.config.num_steps + 1
         draft_len = st.seq_lens + self.draft_offset
         batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, draft_len, q_len,
-                              draft_len + q_len)
+                              draft_len + q_len, max_kv_len=self._max_kv_len(self.draft_offset + q_len))
         ids = result.emitted.clamp(min=0)
         positions = (draft_len[:, None] + const_arange(q_len, self.device)).flatten()
         # A chain's accepted path is nodes 0..accept_len in order, and the rows past it are never

@@ -10,7 +10,7 @@ from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.kv import PADDING_ROW
 from specdec.worker import EagleWorker
-from spec_helpers import make_models, prompts, reference, run_to_completion
+from spec_helpers import VOCAB, make_models, prompts, reference, run_to_completion
 
 
 def test_buckets():
@@ -64,6 +64,44 @@ def test_host_plans_match_the_device_passes(topk, ndt, mode):
     assert len(planned) == len(backends) and planned == seen
 
 
+def test_a_kv_bound_reaches_every_pass_as_its_own_bound():
+    """Under worker.kv_len_bound (a bound on N), each pass's AttnBatch.max_kv_len is the bound plus
+    the pass's extra kv rows (pass_shapes), which holds its seq_lens, and its backend plans for it;
+    kv_len_buckets turns the backends' kv_len_bounds into bounds on N."""
+    target, mtp = make_models("cpu", torch.float32)
+    cfg = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=16, max_batch_size=4, max_context_len=256)
+    worker = EagleWorker(target, mtp, cfg)
+    worker.add_requests(prompts(3, seed=4), 30)
+    worker.step()
+    shapes = worker.pass_shapes()
+    assert len(shapes) == cfg.num_steps + 1 and all(b.kv_len_bounds(4, q) == () for b, _, q in shapes)
+    assert worker.kv_len_buckets(4) == []
+    bound, seen = worker.longest_seq_len() + 5, []
+    for backend, _, _ in shapes:
+        backend.init_forward_metadata = lambda batch, shared_block_tables=None, b=backend, f=backend.init_forward_metadata: (
+            f(batch, shared_block_tables), seen.append((id(b), batch.max_kv_len, max(batch.seq_lens.tolist()),
+                                                        b.metadata.max_seq_len)))[0]
+    worker.kv_len_bound = bound
+    worker._reserve_pages()
+    worker.spec_pass(*worker.step_inputs())
+    expected = [(id(b), bound + extra) for b, extra, _ in shapes]
+    assert [(b, limit) for b, limit, _, _ in seen] == expected
+    assert all(longest <= limit == planned for _, limit, longest, planned in seen)
+    worker.verify_backend.kv_len_bounds = lambda bs, q_len: (100, 300) if (bs, q_len) == (4, 6) else ()
+    worker.draft_extend_backend.kv_len_bounds = lambda bs, q_len: (3,)  # no N fits: kv rows past N alone are 4
+    assert worker.kv_len_buckets(4) == [94, 294] and worker.kv_len_buckets(2) == []
+    for step in worker.draft_backend.steps:  # 97 - 2 and 97 - 4 rows: within KV_BOUND_GAP of 94, kept once
+        step.kv_len_bounds = lambda bs, q_len: (97,)
+    assert worker.kv_len_buckets(4) == [93, 294]
+
+
+def test_a_step_replays_the_smallest_kv_bound_holding_its_longest_request():
+    runner = type("R", (), {"kv_bounds": {4: [94, 294, None], 1: [None]}})()
+    for longest, bound in ((10, 94), (94, 94), (95, 294), (294, 294), (295, None)):
+        runner.worker = type("W", (), {"longest_seq_len": lambda self, n=longest: n})()
+        assert GraphRunner.kv_bound(runner, 4) == bound and GraphRunner.kv_bound(runner, 1) is None
+
+
 GPU_BACKENDS = ["torch_ref", "triton_mla", "flashinfer_mla"]
 
 
@@ -111,7 +149,7 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch, joined):
         got = {kind: list(vars(part).values()) for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
     else:
         runner.static.fill(live, 4)
-        outputs, got = runner.captured[4].outputs, {}
+        outputs, got = runner.captured[4, None].outputs, {}
         for kind in GRAPH_KINDS:
             runner.replay(4, kind)
             part = {"draft": outputs["tree"], "verify": outputs["result"], "draft_extend": worker.state_from(runner.static.view(4))}[kind]
@@ -133,6 +171,29 @@ def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
     outputs, _ = run_to_completion(worker, groups, join_every=5)
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
     assert worker.target_pool.num_free_pages == worker.config.num_pages - 1
+
+
+@pytest.mark.gpu
+def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
+    """triton_mla on SM90 over 64-token pages: a 16-head verify of 4 tokens plans the narrow Triton
+    tile up to 2k kv rows and the wgmma tile past it (contexts of 4k), so the runner captures the
+    batch-1 step for N <= 2044 too. A request growing past that replays both kinds, losslessly."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma tile (and so a second plan) is SM90's")
+    target, mtp = make_models("cuda", torch.float32, num_attention_heads=16, max_position_embeddings=4096)
+    cfg = SpecConfig(num_steps=3, topk=1, attention_backend="triton_mla", kv_dtype="bf16", page_size=64,
+                     max_batch_size=2, max_context_len=4096)
+    worker = EagleWorker(target, mtp, cfg)
+    runner = GraphRunner(worker, [1, 2], progress=False)
+    assert runner.kv_bounds == {1: [2044, None], 2: [1020, None]}
+    replayed = []
+    replay = runner.replay
+    runner.replay = lambda bucket, kind=None, kv_bound=None: (replayed.append((bucket, kv_bound)), replay(bucket, kind, kv_bound))
+    prompt = torch.randint(0, VOCAB, (2020,), generator=torch.Generator().manual_seed(7)).tolist()
+    groups = [([prompt], 60)]
+    outputs, _ = run_to_completion(worker, groups)
+    assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
+    assert (1, 2044) in replayed and (1, None) in replayed
 
 
 def _skip_trees_without_masks(backend, topk):

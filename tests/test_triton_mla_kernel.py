@@ -13,9 +13,9 @@ import torch
 
 from attn import triton_mla_kernel, triton_mla_wgmma
 from attn.triton_mla_kernel import mla_paged_attention, plan_for
-from attn.triton_mla_plan import (MAX_SPLITS, LaunchPlan, TileShape, discard_line_values, launch_config, min_split_len,
-                                  narrow_partials, num_row_blocks, plan_launch, select_config, tile_shape,
-                                  used_splits)
+from attn.triton_mla_plan import (MAX_SPLITS, NARROW_LIMIT_MIN_KV, LaunchPlan, TileShape, discard_line_values,
+                                  launch_config, min_split_len, narrow_partials, narrow_plan_limit, num_row_blocks,
+                                  plan_launch, select_config, tile_shape, used_splits)
 from interpreted import run_interpreted
 
 D, DV = 576, 512
@@ -248,6 +248,21 @@ def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
     table = torch.zeros(3, 64, dtype=torch.int32)
     assert plan_for(q, kv, table, 4, max_kv_len=1000)[0] == plan_launch(3, 16, 4, 1000, 132)
     assert plan_for(q, kv, table, 4, max_kv_len=10**6)[0] == plan_launch(3, 16, 4, 40 * 64, 132)
+
+
+def test_narrow_plan_limit_is_where_plans_turn_to_64_row_tiles():
+    """The longest multiple of 64 whose plan has a narrow tile, where the longest context's has the
+    64-row tile; none below NARROW_LIMIT_MIN_KV, without the wgmma kernel or with a narrow plan at
+    the longest context."""
+    for sizes, expected in (((1, 16, 1, 131072), 12288), ((1, 16, 4, 4096), 2048), ((2, 16, 4, 4096), 1024),
+                            ((1, 128, 1, 131072), 1024)):
+        limit = narrow_plan_limit(*sizes, 132, wide_tiles=True)
+        assert limit == expected and limit >= NARROW_LIMIT_MIN_KV
+        assert plan_launch(*sizes[:3], limit, 132, wide_tiles=True).tile.rows < 64
+        assert plan_launch(*sizes[:3], limit + 64, 132, wide_tiles=True).tile.rows == 64
+    for sizes, wide_tiles in (((4, 16, 4, 4096), True), ((8, 128, 1, 131072), True), ((1, 16, 1, 4096), True),
+                              ((1, 16, 1, 131072), False)):
+        assert narrow_plan_limit(*sizes, 132, wide_tiles) == 0
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
