@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from attn import triton_mla_wgmma
 from attn.base import KV_DIM
 from attn.paged import RaggedKernelBackend
-from attn.triton_mla_plan import narrow_plan_limit
 
 
 class TritonMLABackend(RaggedKernelBackend):
@@ -33,15 +31,13 @@ class TritonMLABackend(RaggedKernelBackend):
 
     def kv_len_bounds(self, batch_size: int, q_len: int) -> tuple[int, ...]:
         """Where the longest context's plan runs the wgmma kernel's 64-row tile, the longest kv
-        length whose plan runs a narrow Triton tile (triton_mla_plan.narrow_plan_limit): a graph
+        length whose plan runs a narrow Triton tile (triton_mla_kernel.narrow_kv_limit): a graph
         captured for it launches the latency-bound plan that short requests of small batches
         need (H100, tables 128k tokens wide against the requests' length: 1 x 1k x 16 heads 10.0
         against 6.4 us; benchmarks/results/mla_kernels_table131072.log)."""
+        from attn.triton_mla_kernel import narrow_kv_limit
+
         cache = self.kv.kv_buffers[0]
-        if cache.device.type != "cuda":
-            return ()
         query = cache.new_empty(1, self.layer.num_heads, KV_DIM, dtype=self._query_dtype())
-        num_sms = torch.cuda.get_device_properties(cache.device).multi_processor_count
-        limit = narrow_plan_limit(batch_size, self.layer.num_heads, q_len, self.max_pages * self.page_size, num_sms,
-                                  triton_mla_wgmma.supports(query, cache))
+        limit = narrow_kv_limit(query, cache, self.max_pages, batch_size, q_len)
         return (limit,) if limit else ()

@@ -31,6 +31,7 @@ from attn.triton_mla_plan import (
     launch_config,
     min_split_len,
     narrow_partials,
+    narrow_plan_limit,
     next_pow2,
     num_row_blocks,
     plan_launch,
@@ -363,9 +364,10 @@ def mla_paged_attention(
         block table can hold, its width in tokens). Only the launch's tile and split count follow
         it: a request past it is still attended exactly, by the plan for shorter ones. Tables as
         wide as an engine's longest context plan every launch for that context, which short
-        requests pay for (H100, tables of 128k rows against the request's length: 1 x 1k x 16
-        heads 10.8 against 6.5 us, 1 x 4k x 16 heads 12.0 against 8.6, 1 x 1k x 16 heads x q_len 4
-        10.5 against 7.4, 8 x 1k x 16 heads 13.0 against 11.1); under CUDA graphs, a caller that
+        requests pay for (H100, benchmarks/results/mla_kernels_table131072.log against
+        mla_kernels.log, tables of 128k rows against the requests' length: 1 x 1k x 16 heads 10.0
+        against 6.4 us, 1 x 4k x 16 heads 11.7 against 8.4, 1 x 1k x 16 heads x q_len 4 10.4
+        against 7.2, 8 x 1k x 16 heads 12.5 against 10.1); under CUDA graphs, a caller that
         captures a graph per context bucket passes the bucket's bound. Two launches a call
         instead, a narrow-tile one for the short requests and the long plan's for the rest, each
         skipping the other's requests, cost 1.5-4 us more than either plan alone: one more kernel
@@ -396,11 +398,26 @@ def plan_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor
     """The plan and kernel config mla_paged_attention launches with for these (checked) inputs:
     for max_kv_len, at most the longest sequence the block table and the cache can hold (the
     default), on the wgmma kernel where it serves (triton_mla_wgmma.supports, asked once)."""
-    capacity = min(block_tables.shape[1], kv_cache.shape[0]) * kv_cache.shape[1]
+    capacity = _capacity(kv_cache, block_tables.shape[1])
     max_kv_len = capacity if max_kv_len is None else min(max_kv_len, capacity)
     wgmma = triton_mla_wgmma.supports(q, kv_cache)
     plan = plan_launch(block_tables.shape[0], q.shape[1], max_q_len, max_kv_len, _num_sms(q.device), wide_tiles=wgmma)
     return plan, launch_config(plan, wgmma)
+
+
+def narrow_kv_limit(q: torch.Tensor, kv_cache: torch.Tensor, table_width: int, batch_size: int,
+                    max_q_len: int) -> int:
+    """triton_mla_plan.narrow_plan_limit of mla_paged_attention's launches over queries like ``q``
+    ([T, H, 576]), this cache and block tables ``table_width`` pages wide: the longest kv length
+    whose plan_for with that max_kv_len runs a narrow Triton tile where the tables' capacity runs
+    the wgmma tile (0: none)."""
+    return narrow_plan_limit(batch_size, q.shape[1], max_q_len, _capacity(kv_cache, table_width),
+                             _num_sms(q.device), triton_mla_wgmma.supports(q, kv_cache))
+
+
+def _capacity(kv_cache: torch.Tensor, table_width: int) -> int:
+    """The longest sequence block tables table_width pages wide can hold in this cache."""
+    return min(table_width, kv_cache.shape[0]) * kv_cache.shape[1]
 
 
 def plan_min_chunk(plan: LaunchPlan, config: KernelConfig, num_heads: int, max_q_len: int) -> int:

@@ -143,11 +143,15 @@ class Case:
         copy_bytes = num_pages * PAGE_SIZE * self.kv_row_bytes
         self.rotations = max(1, min(64, ROTATE_BYTES // copy_bytes))
         table_pages = max(pages_per_req, math.ceil((table_tokens or 0) / PAGE_SIZE))
-        # Pages past the requests' are never read: allocated (the plan bounds sequences by the
-        # cache too), not filled.
-        self.kv_pool = torch.empty(self.rotations, max(num_pages, table_pages), PAGE_SIZE, 576, device="cuda",
-                                   dtype=kv_dtype)
-        self.kv_pool[:, :num_pages] = torch.randn(self.rotations, num_pages, PAGE_SIZE, 576, device="cuda")
+        # Rotation r's cache: its own num_pages pages, then (as far as the table's width needs, for
+        # the plan bounds sequences by the cache too) the next rotations' and unfilled pages, which
+        # it never reads.
+        cache_pages = max(num_pages, table_pages)
+        pool = torch.empty((self.rotations - 1) * num_pages + cache_pages, PAGE_SIZE, 576, device="cuda",
+                           dtype=kv_dtype)
+        pool[:self.rotations * num_pages] = torch.randn(self.rotations * num_pages, PAGE_SIZE, 576, device="cuda")
+        page = PAGE_SIZE * 576
+        self.kv_pool = pool.as_strided((self.rotations, cache_pages, PAGE_SIZE, 576), (num_pages * page, page, 576, 1))
         self.pages = torch.randperm(num_pages, device="cuda").to(torch.int32).view(batch, pages_per_req)
         self.block_tables = torch.nn.functional.pad(self.pages, (0, table_pages - pages_per_req))
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")

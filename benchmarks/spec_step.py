@@ -98,7 +98,7 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
     launch, finish, cpu = min(rounds, key=lambda r: statistics.median(a + b for a, b in zip(*r[:2])))
     syncs = count_syncs(worker.step)
     replay = [float("nan")]
-    if worker.graph_runner is not None:  # the floor of launch: the bucket's graph launch alone
+    if worker.graph_runner is not None:  # the floor of launch: the bucket's graph launch alone (no kv bound)
         replay, bucket = [], worker.graph_runner.buckets[0]
         for _ in range(steps):  # (runs the device state past the host's view, within max_context_len: last)
             t0 = time.perf_counter()

@@ -91,8 +91,8 @@ class _Captured:
 
 
 class GraphRunner:
-    """Captures ``EagleWorker.spec_pass`` as GRAPH_KINDS graphs per batch-size bucket and
-    replays a step as one launch of all three."""
+    """Captures ``EagleWorker.spec_pass`` as GRAPH_KINDS graphs per batch-size bucket and kv bound
+    and replays a step as one launch of all three."""
 
     def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True) -> None:
         # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attn import triton_mla_wgmma
+from attn.triton_mla_plan import narrow_plan_limit
 from graphs.runner import GRAPH_KINDS, GraphRunner, StaticInputs, default_buckets, pick_bucket
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
@@ -178,22 +180,25 @@ def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
     """triton_mla on SM90 over 64-token pages: a 16-head verify of 4 tokens plans the narrow Triton
     tile up to 2k kv rows and the wgmma tile past it (contexts of 4k), so the runner captures the
     batch-1 step for N <= 2044 too. A request growing past that replays both kinds, losslessly."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma tile (and so a second plan) is SM90's")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    limit = narrow_plan_limit(1, 16, 4, 4096, sms, wide_tiles=True)  # 2048 on an H100 SXM (132 SMs)
+    if torch.cuda.get_device_capability()[0] != 9 or triton_mla_wgmma.gluon is None or not limit:
+        pytest.skip("the wgmma tile (and so a second plan) is SM90's, with Gluon")
     target, mtp = make_models("cuda", torch.float32, num_attention_heads=16, max_position_embeddings=4096)
     cfg = SpecConfig(num_steps=3, topk=1, attention_backend="triton_mla", kv_dtype="bf16", page_size=64,
                      max_batch_size=2, max_context_len=4096)
     worker = EagleWorker(target, mtp, cfg)
     runner = GraphRunner(worker, [1, 2], progress=False)
-    assert runner.kv_bounds == {1: [2044, None], 2: [1020, None]}
+    bound = limit - 4  # verify and draft-extend attend N + 4 kv rows
+    assert runner.kv_bounds[1] == [bound, None]
     replayed = []
     replay = runner.replay
     runner.replay = lambda bucket, kind=None, kv_bound=None: (replayed.append((bucket, kv_bound)), replay(bucket, kind, kv_bound))
-    prompt = torch.randint(0, VOCAB, (2020,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompt = torch.randint(0, VOCAB, (bound - 25,), generator=torch.Generator().manual_seed(7)).tolist()
     groups = [([prompt], 60)]
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
-    assert (1, 2044) in replayed and (1, None) in replayed
+    assert (1, bound) in replayed and (1, None) in replayed
 
 
 def _skip_trees_without_masks(backend, topk):
