@@ -366,8 +366,8 @@ def mla_paged_attention(
         wide as an engine's longest context plan every launch for that context, which short
         requests pay for (H100, benchmarks/results/mla_kernels_table131072.log against
         mla_kernels.log, tables of 128k rows against the requests' length: 1 x 1k x 16 heads 10.0
-        against 6.4 us, 1 x 4k x 16 heads 11.7 against 8.4, 1 x 1k x 16 heads x q_len 4 10.4
-        against 7.2, 8 x 1k x 16 heads 12.5 against 10.1); under CUDA graphs, a caller that
+        against 6.4 us, 1 x 4k x 16 heads 11.7 against 8.4, 1 x 1k x 16 heads x q_len 4 10.3
+        against 7.2, 8 x 1k x 16 heads 11.9 against 10.1); under CUDA graphs, a caller that
         captures a graph per context bucket passes the bucket's bound. Two launches a call
         instead, a narrow-tile one for the short requests and the long plan's for the rest, each
         skipping the other's requests, cost 1.5-4 us more than either plan alone: one more kernel
