@@ -537,7 +537,10 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     # kernel: a row block's 8 splits in one 8-program cluster, barrier.cluster, then each program
     # merging 64 of the 512 columns from L2): 0-1.0 us under the reduce (512 rows x 1k x 8 splits
     # 21.3 -> 20.9 us), the barrier alone 0-0.5 us; the 16-program clusters that the latency-bound
-    # plans' 16-128 splits would need ran twice as slow (16 splits: 16.6 -> 30.7 us).
+    # plans' 16-128 splits would need ran twice as slow (16 splits: 16.6 -> 30.7 us). On-chip
+    # exchange through distributed shared memory is out of reach in Triton 3.6's Gluon: with
+    # num_ctas > 1 and a cga_layout, a reduction across CTAs fails an assertion (isReduceWithinCTA)
+    # and a convert_layout across them fails to lower (nvvm.mapa on a shared-memory pointer).
     # griddepcontrol.launch_dependents early in the attention kernel (the reduce's programs crowd
     # the few idle SMs: 11.0 -> 12.6 us there) or in the reduce (the next launch's programs hold
     # registers the reduce's still need: 0.4-0.7 us faster on most split launches, 1.0-1.6 us
