@@ -490,8 +490,8 @@ def _mla_wgmma_kernel(
     # zero partial by the staging. Returning here with only its lse written left the reduce's
     # loads of that partial (which do not wait for the lse) to miss L2 (H100, tables 128k tokens
     # wide: 1 x 1k x 128 heads 10.3 -> 11.4 us, 1 x 1k x 16 heads 10.6 -> 11.5, though 1 x 4k x
-    # 16 heads x q_len 4 13.6 -> 11.7); storing the zeros directly before returning was slower
-    # still (11.3, 11.0, 14.0).
+    # 16 heads x q_len 4 13.6 -> 11.7); with the zeros stored directly before returning, 11.3,
+    # 11.0 and 14.0 us.
 
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
     # The query tile goes out before the first kv tiles: an SM's copies land about in the order they
