@@ -30,14 +30,13 @@ class TritonMLABackend(RaggedKernelBackend):
         return out.to(query.dtype)
 
     def kv_len_bounds(self, batch_size: int, q_len: int) -> tuple[int, ...]:
-        """Where the longest context's plan runs the wgmma kernel's 64-row tile, the longest kv
-        length whose plan runs a narrow Triton tile (triton_mla_kernel.narrow_kv_limit): a graph
-        captured for it launches the latency-bound plan that short requests of small batches
-        need (H100, tables 128k tokens wide against the requests' length: 1 x 1k x 16 heads 10.0
-        against 6.4 us; benchmarks/results/mla_kernels_table131072.log)."""
-        from attn.triton_mla_kernel import narrow_kv_limit
+        """The kv lengths up to which the kernel plans another launch than for the next longer
+        one (triton_mla_kernel.kv_plan_bounds): the latency-bound narrow Triton tile where the
+        longest context's plan runs the wgmma tile, and fewer splits for shorter contexts (H100,
+        tables 128k tokens wide against the requests' length: 1 x 1k x 16 heads 10.0 against 6.4
+        us; benchmarks/results/mla_kernels_table131072.log)."""
+        from attn.triton_mla_kernel import kv_plan_bounds
 
         cache = self.kv.kv_buffers[0]
         query = cache.new_empty(1, self.layer.num_heads, KV_DIM, dtype=self._query_dtype())
-        limit = narrow_kv_limit(query, cache, self.max_pages, batch_size, q_len)
-        return (limit,) if limit else ()
+        return kv_plan_bounds(query, cache, self.max_pages, batch_size, q_len)

@@ -31,9 +31,9 @@ from attn.triton_mla_plan import (
     launch_config,
     min_split_len,
     narrow_partials,
-    narrow_plan_limit,
     next_pow2,
     num_row_blocks,
+    plan_bounds,
     plan_launch,
 )
 
@@ -405,14 +405,13 @@ def plan_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor
     return plan, launch_config(plan, wgmma)
 
 
-def narrow_kv_limit(q: torch.Tensor, kv_cache: torch.Tensor, table_width: int, batch_size: int,
-                    max_q_len: int) -> int:
-    """triton_mla_plan.narrow_plan_limit of mla_paged_attention's launches over queries like ``q``
-    ([T, H, 576]), this cache and block tables ``table_width`` pages wide: the longest kv length
-    whose plan_for with that max_kv_len runs a narrow Triton tile where the tables' capacity runs
-    the wgmma tile (0: none)."""
-    return narrow_plan_limit(batch_size, q.shape[1], max_q_len, _capacity(kv_cache, table_width),
-                             _num_sms(q.device), triton_mla_wgmma.supports(q, kv_cache))
+def kv_plan_bounds(q: torch.Tensor, kv_cache: torch.Tensor, table_width: int, batch_size: int,
+                   max_q_len: int) -> tuple[int, ...]:
+    """triton_mla_plan.plan_bounds of mla_paged_attention's launches over queries like ``q``
+    ([T, H, 576]), this cache and block tables ``table_width`` pages wide: the max_kv_len values
+    below the tables' capacity for which plan_for plans other launches than the next longer one."""
+    return plan_bounds(batch_size, q.shape[1], max_q_len, _capacity(kv_cache, table_width),
+                       _num_sms(q.device), triton_mla_wgmma.supports(q, kv_cache))
 
 
 def _capacity(kv_cache: torch.Tensor, table_width: int) -> int:

@@ -13,8 +13,8 @@ from attn import triton_mla_wgmma
 MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
 MAX_SPLITS = 128  # bounds the workspace and the reduce
 DISCARD_MIN_TOKENS = 32 * 1024  # batch x max_kv_len from which split partials are discarded from L2
-# narrow_plan_limit's shortest limit worth a bound of its own (a CUDA graph per bound and batch size)
-NARROW_LIMIT_MIN_KV = 1024
+# plan_bounds' shortest bound (each bound costs a CUDA graph of the step per batch size)
+PLAN_BOUND_MIN_KV = 1024
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
 
 def narrow_plan_limit(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int,
                       wide_tiles: bool) -> int:
-    """The longest kv length, a multiple of 64 and at least NARROW_LIMIT_MIN_KV, whose plan runs a
+    """The longest kv length, a multiple of 64 and at least PLAN_BOUND_MIN_KV, whose plan runs a
     narrow Triton tile (a latency-bound launch) where ``max_kv_len``'s runs the wgmma kernel's
     64-row tile; 0 where there is none. Plans are narrow up to some length and 64-row from it on:
     found by bisection."""
@@ -176,7 +176,35 @@ def narrow_plan_limit(batch_size: int, num_heads: int, max_q_len: int, max_kv_le
     while wide_from - narrow > 1:
         mid = (narrow + wide_from) // 2
         narrow, wide_from = (narrow, mid) if wide(mid) else (mid, wide_from)
-    return narrow * 64 if narrow * 64 >= NARROW_LIMIT_MIN_KV else 0
+    return narrow * 64 if narrow * 64 >= PLAN_BOUND_MIN_KV else 0
+
+
+def plan_bounds(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int,
+                wide_tiles: bool) -> tuple[int, ...]:
+    """Kv lengths below ``max_kv_len`` (ascending, at least PLAN_BOUND_MIN_KV) up to which
+    plan_launch plans another launch than for the next longer one, another tile or at most half its
+    splits: of the narrow_plan_limit and the powers of two, those whose plan differs so from the
+    next longer bound's.
+
+    A request runs the plan of the bound it is planned for cut to its own length, so a plan for a
+    much longer one leaves most of its splits empty: their programs and the reduce's reads of
+    their partials (H100, tables 128k tokens wide against the requests' length: 1 x 4k x 16 heads
+    x q_len 4, 128 splits of which 64 hold kv, 13.6 against 10.9 us with 64; under the narrow
+    limit's bound, 1 x 1k x 16 heads, 128 splits of which 32 do, 7.6 against 6.5 with 32)."""
+
+    def plan(kv_len: int) -> tuple:
+        launch = plan_launch(batch_size, num_heads, max_q_len, kv_len, num_sms, wide_tiles)
+        return launch.tile, launch.num_splits
+
+    candidates = {narrow_plan_limit(batch_size, num_heads, max_q_len, max_kv_len, num_sms, wide_tiles)}
+    candidates |= {1 << k for k in range(PLAN_BOUND_MIN_KV.bit_length() - 1, max_kv_len.bit_length())}
+    bounds, (tile, splits) = [], plan(max_kv_len)
+    for kv_len in sorted((c for c in candidates if PLAN_BOUND_MIN_KV <= c < max_kv_len), reverse=True):
+        shorter_tile, shorter_splits = plan(kv_len)
+        if shorter_tile != tile or 2 * shorter_splits <= splits:
+            bounds.append(kv_len)
+            tile, splits = shorter_tile, shorter_splits
+    return tuple(reversed(bounds))
 
 
 def chunk_len(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int:

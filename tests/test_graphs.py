@@ -190,7 +190,7 @@ def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
     worker = EagleWorker(target, mtp, cfg)
     runner = GraphRunner(worker, [1, 2], progress=False)
     bound = limit - 4  # verify and draft-extend attend N + 4 kv rows
-    assert runner.kv_bounds[1] == [bound, None]
+    assert bound in runner.kv_bounds[1] and runner.kv_bounds[1][-1] is None
     replayed = []
     replay = runner.replay
     runner.replay = lambda bucket, kind=None, kv_bound=None: (replayed.append((bucket, kv_bound)), replay(bucket, kind, kv_bound))

@@ -13,9 +13,9 @@ import torch
 
 from attn import triton_mla_kernel, triton_mla_wgmma
 from attn.triton_mla_kernel import mla_paged_attention, plan_for
-from attn.triton_mla_plan import (MAX_SPLITS, NARROW_LIMIT_MIN_KV, LaunchPlan, TileShape, discard_line_values,
+from attn.triton_mla_plan import (MAX_SPLITS, PLAN_BOUND_MIN_KV, LaunchPlan, TileShape, discard_line_values,
                                   launch_config, min_split_len, narrow_partials, narrow_plan_limit, num_row_blocks,
-                                  plan_launch, select_config, tile_shape, used_splits)
+                                  plan_bounds, plan_launch, select_config, tile_shape, used_splits)
 from interpreted import run_interpreted
 
 D, DV = 576, 512
@@ -252,17 +252,37 @@ def test_plan_for_plans_from_the_inputs_bounds(monkeypatch):
 
 def test_narrow_plan_limit_is_where_plans_turn_to_64_row_tiles():
     """The longest multiple of 64 whose plan has a narrow tile, where the longest context's has the
-    64-row tile; none below NARROW_LIMIT_MIN_KV, without the wgmma kernel or with a narrow plan at
+    64-row tile; none below PLAN_BOUND_MIN_KV, without the wgmma kernel or with a narrow plan at
     the longest context."""
     for sizes, expected in (((1, 16, 1, 131072), 12288), ((1, 16, 4, 4096), 2048), ((2, 16, 4, 4096), 1024),
                             ((1, 128, 1, 131072), 1024)):
         limit = narrow_plan_limit(*sizes, 132, wide_tiles=True)
-        assert limit == expected and limit >= NARROW_LIMIT_MIN_KV
+        assert limit == expected and limit >= PLAN_BOUND_MIN_KV
         assert plan_launch(*sizes[:3], limit, 132, wide_tiles=True).tile.rows < 64
         assert plan_launch(*sizes[:3], limit + 64, 132, wide_tiles=True).tile.rows == 64
     for sizes, wide_tiles in (((4, 16, 4, 4096), True), ((8, 128, 1, 131072), True), ((1, 16, 1, 4096), True),
                               ((1, 16, 1, 131072), False)):
         assert narrow_plan_limit(*sizes, 132, wide_tiles) == 0
+
+
+def test_plan_bounds_are_where_shorter_contexts_plan_another_tile_or_half_the_splits():
+    def plan(sizes, kv_len, wide_tiles=True):
+        launch = plan_launch(*sizes[:3], kv_len, 132, wide_tiles)
+        return launch.tile, launch.num_splits
+
+    # 1 x 16 heads, tables of 128k rows: 16x1 tiles of 32 and 64 splits, then 128 up to the narrow
+    # limit, then 16x4 (wgmma) tiles of 128.
+    assert plan_bounds(1, 16, 1, 131072, 132, wide_tiles=True) == (1024, 2048, 12288)
+    for sizes, wide_tiles in (((1, 16, 1, 131072), True), ((1, 16, 4, 131072), True), ((1, 128, 1, 131072), True),
+                              ((8, 16, 1, 131072), True), ((4, 16, 1, 131072), True), ((1, 16, 1, 131072), False)):
+        bounds = plan_bounds(*sizes, 132, wide_tiles)
+        assert bounds and list(bounds) == sorted(bounds) and bounds[0] >= PLAN_BOUND_MIN_KV
+        for shorter, longer in zip(bounds, (*bounds[1:], sizes[3])):
+            (tile, splits), (longer_tile, longer_splits) = plan(sizes, shorter, wide_tiles), plan(sizes, longer, wide_tiles)
+            assert tile != longer_tile or 2 * splits <= longer_splits
+    # Plans that change little (8 x 16 heads: 32 splits at 2k, 33 at 3k) or not at all: no bound.
+    assert plan_bounds(8, 16, 1, 131072, 132, wide_tiles=True) == (narrow_plan_limit(8, 16, 1, 131072, 132, True),)
+    assert plan_bounds(8, 128, 4, 131072, 132, wide_tiles=True) == () == plan_bounds(1, 16, 1, 1024, 132, True)
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
