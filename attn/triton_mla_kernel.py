@@ -368,7 +368,8 @@ def mla_paged_attention(
         mla_kernels.log, tables of 128k rows against the requests' length: 1 x 1k x 16 heads 10.0
         against 6.4 us, 1 x 4k x 16 heads 11.7 against 8.4, 1 x 1k x 16 heads x q_len 4 10.3
         against 7.2, 8 x 1k x 16 heads 11.9 against 10.1); under CUDA graphs, a caller that
-        captures a graph per context bucket passes the bucket's bound. Two launches a call
+        captures a graph per context bucket passes the bucket's bound (kv_plan_bounds: where the
+        plan changes). Two launches a call
         instead, a narrow-tile one for the short requests and the long plan's for the rest, each
         skipping the other's requests, cost 1.5-4 us more than either plan alone: one more kernel
         in the chain of dependent launches.
