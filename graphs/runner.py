@@ -94,7 +94,10 @@ class GraphRunner:
     """Captures ``EagleWorker.spec_pass`` as GRAPH_KINDS graphs per batch-size bucket and kv bound
     and replays a step as one launch of all three."""
 
-    def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True) -> None:
+    def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True,
+                 kv_bounds: bool = True) -> None:
+        """kv_bounds: also capture each bucket's step per kv bound (worker.kv_len_buckets); False:
+        only the longest context's graphs (fewer captures, and the long plans for every batch)."""
         # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the
         # worker frees the graphs at once, never in a garbage collection during another capture.
         self.worker = weakref.proxy(worker)
@@ -117,7 +120,7 @@ class GraphRunner:
             **{name: t.zero_() for name, t in vars(st).items()},
         })
         # Per bucket: the bounds on N its steps are captured for, ascending; None: the longest context.
-        self.kv_bounds = {bs: [*worker.kv_len_buckets(bs), None] for bs in self.buckets}
+        self.kv_bounds = {bs: [*(worker.kv_len_buckets(bs) if kv_bounds else []), None] for bs in self.buckets}
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[int, Optional[int]], _Captured] = {}  # (bucket, kv bound)
         self._views: dict[tuple, tuple] = {}  # (batch size, bucket, kv bound) -> (result, state, tree) views

@@ -199,6 +199,7 @@ def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
     assert (1, bound) in replayed and (1, None) in replayed
+    assert GraphRunner(worker, [1], progress=False, kv_bounds=False).kv_bounds == {1: [None]}
 
 
 def _skip_trees_without_masks(backend, topk):
