@@ -6,7 +6,7 @@ L2. Roofline = max(KV bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) with
 KV bytes = tokens * 576 * 2 (--kv-dtype fp8: * 1) and FLOPs = tokens * heads * q_len * 1088 * 2.
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep] [--kv-dtype fp8]
-                                     [--table-tokens 131072]
+                                     [--table-tokens 131072 [--kv-bound]]
     python -m benchmarks.mla_kernels --breakdown
 
 Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
@@ -15,7 +15,8 @@ power that nvidia-smi reads while our kernel's graph replays for half a second (
 retuning select_config/plan_launch). --breakdown only prints where the small launches' time goes:
 the attention kernel alone against attention plus reduce, next to the time of an empty launch.
 --table-tokens sizes the block tables for a longer context than the requests' (mla_paged_attention
-plans a launch for the table's width unless given a max_kv_len).
+plans a launch for the table's width unless given a max_kv_len); --kv-bound then plans each shape
+for the bound the graph runner's kv-bound graphs would replay for it.
 """
 
 import argparse
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn.triton_mla_kernel import _launch, mla_paged_attention, plan_for, plan_min_chunk
+from attn.triton_mla_kernel import _launch, kv_plan_bounds, mla_paged_attention, plan_for, plan_min_chunk
 from attn.triton_mla_plan import KernelConfig, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
@@ -159,6 +160,13 @@ class Case:
         self.kv_indptr = (torch.arange(batch + 1, device="cuda") * pages_per_req).to(torch.int32)
         self.q = torch.randn(batch * q_len, heads, 576, device="cuda").to(torch.bfloat16)
         self.out = torch.empty(batch * q_len, heads, 512, device="cuda", dtype=torch.bfloat16)
+        self.max_kv_len: int | None = None  # the launches' plan bound (mla_paged_attention); None: the tables'
+
+    def bound_by_plans(self) -> None:
+        """Plan for the smallest kv_plan_bounds bound that holds seq_len, as the graph runner's
+        kv-bound graphs do (none: the tables' width)."""
+        bounds = kv_plan_bounds(self.q, self.kv_pool[0], self.block_tables.shape[1], self.batch, self.q_len)
+        self.max_kv_len = next((bound for bound in bounds if bound >= self.seq_len), None)
 
     @property
     def kv_bytes(self) -> int:
@@ -170,7 +178,7 @@ class Case:
 
     def plan_fields(self) -> dict:
         """The shape and what mla_paged_attention plans for it: the first columns of a table row."""
-        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len)
+        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len, self.max_kv_len)
         return dict(batch=self.batch, seq_len=self.seq_len, q_len=self.q_len, heads=self.heads,
                     tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
                     kernel="wgmma" if config.wgmma else "triton")
@@ -178,11 +186,11 @@ class Case:
     def triton_call(self, rotation: int):
         return lambda: mla_paged_attention(
             self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
-            SM_SCALE, out=self.out)
+            SM_SCALE, out=self.out, max_kv_len=self.max_kv_len)
 
     def attention_call(self, rotation: int):
         """The attention kernel of triton_call alone, without the reduce of its split partials."""
-        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len)
+        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len, self.max_kv_len)
         return lambda: _launch(
             self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
             SM_SCALE, None, self.out, 1.0, plan.num_splits, plan.tile, config,
@@ -372,8 +380,11 @@ def main() -> None:
     parser.add_argument("--table-tokens", type=int,
                         help="block tables this many tokens wide, as an engine's under CUDA graphs (default: "
                              "each shape's seq_len); our kernel plans for the width, FA3 for the lengths")
+    parser.add_argument("--kv-bound", action="store_true",
+                        help="plan each shape for the smallest kv_plan_bounds bound that holds its seq_len")
     args = parser.parse_args()
     suffix = ("_fp8" if args.kv_dtype == "fp8" else "") + (f"_table{args.table_tokens}" if args.table_tokens else "")
+    suffix += "_bounded" if args.kv_bound else ""
     args.out = args.out or Path(f"benchmarks/mla_kernels{suffix}.png")
     if args.profile:
         profile()
@@ -386,6 +397,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     if args.table_tokens:
         print(f"block tables {args.table_tokens} tokens wide")
+    if args.kv_bound:
+        print("each shape planned for the smallest kv_plan_bounds bound that holds its seq_len")
     try:
         import flashinfer.mla  # noqa: F401
 
@@ -406,6 +419,8 @@ def main() -> None:
     print_row(None)
     for shape in shapes:
         case = Case(*shape, kv_dtype=KV_DTYPES[args.kv_dtype], table_tokens=args.table_tokens)
+        if args.kv_bound:
+            case.bound_by_plans()
         rows.append(bench_case(case, bandwidth, with_fa3))
         if with_fa3 and math.isnan(rows[-1]["fa3_us"]):  # e.g. a cache dtype FA3 does not take
             with_fa3 = False
