@@ -11,7 +11,6 @@ bookkeeping overlaps that last pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -27,105 +26,13 @@ from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample
+from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats
 from specdec.tree import VerifyTree, start_tree, topk_probs
 from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
 
 GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
 KV_BOUND_GAP = 64  # kv rows within which EagleWorker.kv_len_buckets keeps one bound
-
-
-@dataclass
-class Request:
-    """Host-side view of one request: its prompt, the tokens emitted so far (``output``, the
-    prefill's token first) and its KV rows."""
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    eos_token_id: Optional[int]
-    target_row: int
-    draft_row: int
-    sampling: SamplingParams = SamplingParams()
-    output: list[int] = field(default_factory=list)
-    finished: bool = False
-
-    @property
-    def seq_len(self) -> int:
-        """N, the target's KV length while the request runs: every emitted token but the last
-        (the root) is in the cache after the prompt."""
-        return len(self.prompt) + len(self.output) - 1
-
-
-@dataclass
-class _BatchHost:
-    """Host arrays of the running batch, aligned with ``EagleWorker.requests`` and rebuilt when
-    the batch changes, so the per-step bookkeeping is a few numpy calls, not a loop per request.
-
-    seq_len (N), target_row, draft_row: ``[B]`` int64. outputs: the requests' output lists;
-    device_rows: target and draft rows ``[B]`` int64 on the device. room ``[B]`` int64: the
-    largest N at which both pools' pages hold a step (set by the worker).
-    """
-
-    seq_len: np.ndarray
-    target_row: np.ndarray
-    draft_row: np.ndarray
-    outputs: list[list[int]]
-    device_rows: tuple[torch.Tensor, torch.Tensor]
-    room: Optional[np.ndarray] = None
-
-    @staticmethod
-    def of(requests: list[Request], device: torch.device) -> "_BatchHost":
-        table = np.array([(r.seq_len, r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 3)
-        seq_len, target_row, draft_row = table.T.copy()
-        rows = host_to_device([target_row.tolist(), draft_row.tolist()], device)
-        return _BatchHost(seq_len, target_row, draft_row, [r.output for r in requests], (rows[0], rows[1]))
-
-
-@dataclass
-class DecodeState:
-    """Device state of the running batch, aligned with ``EagleWorker.requests``.
-
-    root ``[B]`` int64; seq_lens ``[B]`` int64 (N); hidden ``[B, D]`` the draft's last hidden state;
-    cand_probs / cand_ids ``[B, topk]``: the first draft step's candidates;
-    temperature / top_p ``[B]`` fp32, top_k / seed ``[B]`` int64: sampling parameters;
-    counter ``[B]`` int64: spec steps taken, the position in the request's random stream;
-    limit ``[B]`` int64: the N at which max_new_tokens run out (len(prompt) + max_new_tokens - 1);
-    eos ``[B]`` int64: the eos token id, -1 for none.
-    """
-
-    root: torch.Tensor
-    seq_lens: torch.Tensor
-    hidden: torch.Tensor
-    cand_probs: torch.Tensor
-    cand_ids: torch.Tensor
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    seed: torch.Tensor
-    counter: torch.Tensor
-    limit: torch.Tensor
-    eos: torch.Tensor
-
-    def advance(self, root: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor, cand: tuple[torch.Tensor, torch.Tensor]) -> "DecodeState":
-        """The next step's state: same sampling parameters and stops, counter + 1."""
-        return DecodeState(root, seq_lens, hidden, *cand, self.temperature, self.top_p, self.top_k, self.seed,
-                           self.counter + 1, self.limit, self.eos)
-
-    def select(self, keep: torch.Tensor) -> "DecodeState":
-        return DecodeState(*(t.index_select(0, keep) for t in vars(self).values()))
-
-    @staticmethod
-    def concat(states: list["DecodeState"]) -> "DecodeState":
-        return DecodeState(*(torch.cat(ts) for ts in zip(*(vars(s).values() for s in states))))
-
-
-@dataclass
-class StepStats:
-    """Per step: accept_len of each request that ran (host list), and the tokens emitted."""
-
-    accept_lens: list[int]
-    num_emitted: int
 
 
 class EagleWorker:
@@ -162,9 +69,9 @@ class EagleWorker:
         # extra kv rows); the graph runner sets it while it captures a kv bucket's step. None: none.
         self.kv_len_bound: Optional[int] = None
         self._next_rid = 0
-        self._batch: Optional[_BatchHost] = None  # host arrays of the running batch; None: rebuild
+        self._batch: Optional[BatchHost] = None  # host arrays of the running batch; None: rebuild
         # the step's one copy to the host: [bs, num_steps + 4] = emitted tokens, accept_len, take, done
-        self._emitted = _HostCopy((bs, steps + 4), self.device)
+        self._emitted = HostCopy((bs, steps + 4), self.device)
 
     # ------------------------------------------------------------ admission
     @torch.inference_mode()
@@ -200,7 +107,7 @@ class EagleWorker:
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         new_state = self._prefill(new)
         keep = []
-        for i, (req, token) in enumerate(zip(new, _HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist())):
+        for i, (req, token) in enumerate(zip(new, HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist())):
             req.output.append(token)  # the prefill's token is the first output
             req.finished = max_new_tokens <= 1 or token == eos_token_id
             if req.finished:
@@ -328,13 +235,13 @@ class EagleWorker:
     def state_from(tensors: dict[str, torch.Tensor]) -> DecodeState:
         return DecodeState(**{name: tensors[name] for name in DecodeState.__dataclass_fields__})
 
-    def _batch_host(self) -> _BatchHost:
+    def _batch_host(self) -> BatchHost:
         if self._batch is None:
-            self._batch = _BatchHost.of(self.requests, self.device)
+            self._batch = BatchHost.of(self.requests, self.device)
             self._batch.room = self._page_room(self._batch)
         return self._batch
 
-    def _page_room(self, h: _BatchHost) -> np.ndarray:
+    def _page_room(self, h: BatchHost) -> np.ndarray:
         """``[B]`` the largest N at which each request's pages in both pools still hold a step's
         verify tree and draft region."""
         cfg = self.config
@@ -563,43 +470,3 @@ class EagleWorker:
             self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
             self._batch = None
         return StepStats(accept_len.tolist(), int(take.sum()))
-
-
-class _HostCopy:
-    """A reusable pinned int64 host buffer and event: a non-blocking copy of a device tensor's
-    leading rows, then the event's record (enqueue; a CUDA graph captures both, the event as an
-    external record node, so a replayed step launches neither), then a wait on the event, not
-    on the whole device (wait)."""
-
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
-        self.on_cuda = device.type == "cuda"
-        self.buffer = torch.empty(shape, dtype=torch.long, pin_memory=self.on_cuda)
-        self.array = self.buffer.numpy()  # made once: a tensor's .numpy() costs microseconds
-        self.event = torch.cuda.Event(external=True) if self.on_cuda else None
-        self.rows: Optional[int] = None
-
-    def enqueue(self, t: torch.Tensor) -> None:
-        """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in
-        stream order, and record the event after it."""
-        self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
-        if self.on_cuda:
-            self.event.record()
-
-    def start(self, rows: int) -> None:
-        """A copy of ``rows`` rows is enqueued (eagerly or by a replayed graph): wait may come."""
-        self.rows = rows
-
-    def wait(self) -> np.ndarray:
-        """The started copy: a numpy view of the buffer's first rows, valid until the next start."""
-        if self.rows is None:
-            raise RuntimeError("no copy in flight: finish_step needs the result of launch_step")
-        if self.on_cuda:
-            self.event.synchronize()
-        rows, self.rows = self.rows, None
-        return self.array[:rows]
-
-    def fetch(self, t: torch.Tensor) -> np.ndarray:
-        """enqueue, start and wait: a synchronous copy of t."""
-        self.enqueue(t)
-        self.start(t.shape[0])
-        return self.wait()

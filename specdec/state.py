@@ -1,0 +1,147 @@
+"""The running batch's state: the requests on the host (Request, and BatchHost, their arrays),
+the device state a spec step advances (DecodeState), what a step reports (StepStats), and the
+pinned copy that brings a step's results to the host (HostCopy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from specdec.batch import host_to_device
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """Host-side view of one request: its prompt, the tokens emitted so far (``output``, the
+    prefill's token first) and its KV rows."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_id: Optional[int]
+    target_row: int
+    draft_row: int
+    sampling: SamplingParams = SamplingParams()
+    output: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """N, the target's KV length while the request runs: every emitted token but the last
+        (the root) is in the cache after the prompt."""
+        return len(self.prompt) + len(self.output) - 1
+
+
+@dataclass
+class BatchHost:
+    """Host arrays of the running batch, aligned with ``EagleWorker.requests`` and rebuilt when
+    the batch changes, so the per-step bookkeeping is a few numpy calls, not a loop per request.
+
+    seq_len (N), target_row, draft_row: ``[B]`` int64. outputs: the requests' output lists;
+    device_rows: target and draft rows ``[B]`` int64 on the device. room ``[B]`` int64: the
+    largest N at which both pools' pages hold a step (set by the worker).
+    """
+
+    seq_len: np.ndarray
+    target_row: np.ndarray
+    draft_row: np.ndarray
+    outputs: list[list[int]]
+    device_rows: tuple[torch.Tensor, torch.Tensor]
+    room: Optional[np.ndarray] = None
+
+    @staticmethod
+    def of(requests: list[Request], device: torch.device) -> "BatchHost":
+        table = np.array([(r.seq_len, r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 3)
+        seq_len, target_row, draft_row = table.T.copy()
+        rows = host_to_device([target_row.tolist(), draft_row.tolist()], device)
+        return BatchHost(seq_len, target_row, draft_row, [r.output for r in requests], (rows[0], rows[1]))
+
+
+@dataclass
+class DecodeState:
+    """Device state of the running batch, aligned with ``EagleWorker.requests``.
+
+    root ``[B]`` int64; seq_lens ``[B]`` int64 (N); hidden ``[B, D]`` the draft's last hidden state;
+    cand_probs / cand_ids ``[B, topk]``: the first draft step's candidates;
+    temperature / top_p ``[B]`` fp32, top_k / seed ``[B]`` int64: sampling parameters;
+    counter ``[B]`` int64: spec steps taken, the position in the request's random stream;
+    limit ``[B]`` int64: the N at which max_new_tokens run out (len(prompt) + max_new_tokens - 1);
+    eos ``[B]`` int64: the eos token id, -1 for none.
+    """
+
+    root: torch.Tensor
+    seq_lens: torch.Tensor
+    hidden: torch.Tensor
+    cand_probs: torch.Tensor
+    cand_ids: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+    counter: torch.Tensor
+    limit: torch.Tensor
+    eos: torch.Tensor
+
+    def advance(self, root: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor, cand: tuple[torch.Tensor, torch.Tensor]) -> "DecodeState":
+        """The next step's state: same sampling parameters and stops, counter + 1."""
+        return DecodeState(root, seq_lens, hidden, *cand, self.temperature, self.top_p, self.top_k, self.seed,
+                           self.counter + 1, self.limit, self.eos)
+
+    def select(self, keep: torch.Tensor) -> "DecodeState":
+        return DecodeState(*(t.index_select(0, keep) for t in vars(self).values()))
+
+    @staticmethod
+    def concat(states: list["DecodeState"]) -> "DecodeState":
+        return DecodeState(*(torch.cat(ts) for ts in zip(*(vars(s).values() for s in states))))
+
+
+@dataclass
+class StepStats:
+    """Per step: accept_len of each request that ran (host list), and the tokens emitted."""
+
+    accept_lens: list[int]
+    num_emitted: int
+
+
+class HostCopy:
+    """A reusable pinned int64 host buffer and event: a non-blocking copy of a device tensor's
+    leading rows, then the event's record (enqueue; a CUDA graph captures both, the event as an
+    external record node, so a replayed step launches neither), then a wait on the event, not
+    on the whole device (wait)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.buffer = torch.empty(shape, dtype=torch.long, pin_memory=self.on_cuda)
+        self.array = self.buffer.numpy()  # made once: a tensor's .numpy() costs microseconds
+        self.event = torch.cuda.Event(external=True) if self.on_cuda else None
+        self.rows: Optional[int] = None
+
+    def enqueue(self, t: torch.Tensor) -> None:
+        """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in
+        stream order, and record the event after it."""
+        self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
+        if self.on_cuda:
+            self.event.record()
+
+    def start(self, rows: int) -> None:
+        """A copy of ``rows`` rows is enqueued (eagerly or by a replayed graph): wait may come."""
+        self.rows = rows
+
+    def wait(self) -> np.ndarray:
+        """The started copy: a numpy view of the buffer's first rows, valid until the next start."""
+        if self.rows is None:
+            raise RuntimeError("no copy in flight: finish_step needs the result of launch_step")
+        if self.on_cuda:
+            self.event.synchronize()
+        rows, self.rows = self.rows, None
+        return self.array[:rows]
+
+    def fetch(self, t: torch.Tensor) -> np.ndarray:
+        """enqueue, start and wait: a synchronous copy of t."""
+        self.enqueue(t)
+        self.start(t.shape[0])
+        return self.wait()
