@@ -368,7 +368,8 @@ def profile() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="PNG path (default benchmarks/mla_kernels[_fp8][_table<N>].png)")
+    parser.add_argument("--out", type=Path,
+                        help="PNG path (default benchmarks/mla_kernels[_fp8][_table<N>[_bounded]].png)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
     parser.add_argument("--profile", action="store_true", help="only run a few shapes eagerly (for ncu)")
