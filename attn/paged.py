@@ -40,6 +40,16 @@ class PagedMetadata:
     max_seq_len: int
 
 
+@dataclass
+class GraphBuffers:
+    """The static inputs a captured pass reads, sized for the largest graph: block_tables
+    ``[max_bs, max_pages]`` int32, seq_lens ``[max_bs]`` int32, cu_seqlens_q ``[max_bs + 1]`` int32."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+
+
 class PagedMLABackend:
     """Paged MLA attention over a shared ``[num_pages, page_size, 576]`` pool per layer.
 
@@ -77,7 +87,7 @@ class PagedMLABackend:
         self.max_pages = math.ceil(kv.max_context_len / kv.page_size)
         self.max_batch_size = max_batch_size
         self.metadata: Optional[PagedMetadata] = None
-        self._graph_buffers: Optional[PagedMetadata] = None
+        self._graph_buffers: Optional[GraphBuffers] = None
         self.tree_mask: Optional[torch.Tensor] = None
         if self.supports_tree_mask and max_mask_len > 0:
             self.tree_mask = torch.zeros(max_batch_size, max_q_len, max_mask_len, dtype=torch.bool, device=kv.device)
@@ -115,11 +125,10 @@ class PagedMLABackend:
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         device = self.kv.device
-        self._graph_buffers = PagedMetadata(
+        self._graph_buffers = GraphBuffers(
             block_tables=torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device),
             seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
             cu_seqlens_q=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
-            max_seq_len=self.max_pages * self.page_size,
         )
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, seq_lens: torch.Tensor, q_len: int) -> None:
