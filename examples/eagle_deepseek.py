@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.baseline import greedy_generate, sequence_logits
+from specdec.baseline import GreedyDecoder, sequence_logits
 from specdec.config import SpecConfig
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
@@ -94,13 +94,18 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
     sampling = [SamplingParams(temperature=args.temperature, seed=i) for i in range(len(prompts))]
     graphs = {"backend": backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph}
 
-    def target_only(n: int) -> tuple[list[list[int]], float]:
-        """Prefill + the first (eager, capturing) decode step, then the rest: outputs and seconds."""
+    def target_only() -> tuple[list[list[int]], float]:
+        """Prefill, the first (eager) and second (capturing) decode steps untimed, then the rest:
+        outputs and the seconds of the max_new_tokens - 3 timed steps."""
+        decoder = GreedyDecoder(target, prompts, args.max_new_tokens, **graphs)
+        for _ in range(2):
+            decoder.step()
         _sync(device)
         start = time.perf_counter()
-        out = greedy_generate(target, prompts, n, **graphs)
+        for _ in range(args.max_new_tokens - 3):
+            decoder.step()
         _sync(device)
-        return out, time.perf_counter() - start
+        return decoder.outputs(), time.perf_counter() - start
 
     def spec(max_new: int) -> tuple[list, list[int], float]:
         """Prefill (not timed), then spec steps until every request is done: requests, accept
@@ -122,15 +127,14 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
             GraphRunner(worker)
         # Warm-up (JIT, allocator; the kernels specialise on the context length), then the two
         # ways alternate, so drifting clocks hit both alike; the fastest of --repeats runs counts.
-        target_only(2), target_only(args.max_new_tokens), spec(cfg.num_steps + 2)
-        short, full, spec_s = float("inf"), float("inf"), float("inf")
+        target_only(), spec(cfg.num_steps + 2)
+        base_s, spec_s = float("inf"), float("inf")
         for _ in range(args.repeats):
-            short = min(short, target_only(2)[1])
-            baseline, seconds = target_only(args.max_new_tokens)
-            full = min(full, seconds)
+            baseline, seconds = target_only()
+            base_s = min(base_s, seconds)
             reqs, accept, seconds = spec(args.max_new_tokens)
             spec_s = min(spec_s, seconds)
-        base_tok_s = len(prompts) * (args.max_new_tokens - 2) / (full - short)
+        base_tok_s = len(prompts) * (args.max_new_tokens - 3) / base_s
         spec_tok_s = sum(len(r.output) - 1 for r in reqs) / spec_s
     return Measurement([r.output for r in reqs], baseline, accept, base_tok_s, spec_tok_s), cfg
 
@@ -189,13 +193,15 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=160, help="prompt bytes per file, at most (cut at a newline)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="at least 4: target-only timing skips three")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: rejection-sampling verification")
     ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs each way; the fastest counts")
     ap.add_argument("--plot", metavar="PATH", help="also time batch sizes 1, 2, 4, .. up to --batch-size; write a PNG")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    if args.max_new_tokens < 4:
+        ap.error("--max-new-tokens must be at least 4: the target-only timing leaves out the first three tokens")
 
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

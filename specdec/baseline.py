@@ -40,6 +40,60 @@ class _Session:
         return self.model(tokens, seq_lens, self.attn, step)
 
 
+class GreedyDecoder:
+    """Target-only greedy decoding of a batch: the prompts' prefill gives each request its first
+    token, then every ``step()`` decodes one more token per request (argmax), in place on the
+    device.
+
+    cuda_graph: the first step runs eagerly (warm-up), the second captures one decode step and
+    runs it, later steps replay it: the fair baseline for a graphed spec step, and steps from the
+    third on are the steady state to time. Backends that plan on the host are planned from the
+    host kv lengths before each replay.
+    """
+
+    def __init__(self, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, backend: str = "torch_ref",
+                 page_size: int = 16, kv_dtype: torch.dtype | None = None, cuda_graph: bool = False) -> None:
+        """Room for ``max_new_tokens`` tokens a request (the first and max_new_tokens - 1 steps)."""
+        bs = len(prompts)
+        context = page_size * math.ceil((max(map(len, prompts)) + max_new_tokens + 1) / page_size)
+        self.model, self.cuda_graph = model, cuda_graph
+        self.run = _Session(model, prompts, context, page_size, backend, kv_dtype)
+        self.token = model.compute_logits(self.run.prefill_hidden[self.run.prefill.cu_seqlens_q[1:].long() - 1]).argmax(-1)
+        self.tokens = [self.token.clone()]  # [B] int64 each, on the device
+        lens = [len(p) for p in prompts]
+        self.seq_lens = torch.tensor(lens, device=self.run.device)
+        self.host_lens = torch.tensor(lens, dtype=torch.int32)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if cuda_graph:
+            self.run.attn.init_cuda_graph_state(bs, bs)
+
+    def _decode(self) -> None:
+        """One token per request, in place: token <- argmax, seq_lens += 1."""
+        self.token.copy_(self.model.compute_logits(self.run.decode(self.token, self.seq_lens)).argmax(-1))
+        self.seq_lens.add_(1)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Decode the next token of every request."""
+        attn = self.run.attn
+        if self.cuda_graph and self.graph is None and len(self.tokens) > 1:
+            gc.collect()  # garbage holding graphs or pinned memory must not be freed mid-capture
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._decode()
+        if self.cuda_graph and attn.needs_cpu_seq_lens:
+            attn.init_forward_metadata_replay_cuda_graph(len(self.host_lens), self.host_lens + len(self.tokens), 1)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._decode()
+        self.tokens.append(self.token.clone())
+
+    def outputs(self) -> list[list[int]]:
+        """Every request's tokens so far (one host copy)."""
+        return torch.stack(self.tokens, dim=1).tolist()
+
+
 @torch.inference_mode()
 def greedy_generate(
     model: torch.nn.Module,
@@ -50,43 +104,12 @@ def greedy_generate(
     kv_dtype: torch.dtype | None = None,
     cuda_graph: bool = False,
 ) -> list[list[int]]:
-    """Prefill every prompt, then decode one token per request per forward (argmax).
-
-    cuda_graph: run the first decode step eagerly (warm-up), capture one decode step and replay
-    it for the rest: the fair baseline for a graphed spec step. Backends that plan on the host
-    are planned from the host kv lengths before each replay.
-    """
-    bs = len(prompts)
-    context = page_size * math.ceil((max(map(len, prompts)) + max_new_tokens + 1) / page_size)
-    run = _Session(model, prompts, context, page_size, backend, kv_dtype)
-    attn = run.attn
-    token = model.compute_logits(run.prefill_hidden[run.prefill.cu_seqlens_q[1:].long() - 1]).argmax(-1)
-    out = [token.clone()]
-    lens = [len(p) for p in prompts]
-    seq_lens = torch.tensor(lens, device=run.device)
-
-    def decode() -> None:
-        """One token per request, in place: token <- argmax, seq_lens += 1."""
-        token.copy_(model.compute_logits(run.decode(token, seq_lens)).argmax(-1))
-        seq_lens.add_(1)
-
-    if cuda_graph:
-        attn.init_cuda_graph_state(bs, bs)
-    host_lens, graph = torch.tensor(lens, dtype=torch.int32), None
-    for i in range(max_new_tokens - 1):
-        if cuda_graph and attn.needs_cpu_seq_lens:
-            attn.init_forward_metadata_replay_cuda_graph(bs, host_lens + i + 1, 1)
-        if graph is not None:
-            graph.replay()
-        else:
-            decode()
-            if cuda_graph:
-                gc.collect()  # garbage holding graphs or pinned memory must not be freed mid-capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    decode()
-        out.append(token.clone())
-    return torch.stack(out, dim=1).tolist()
+    """Prefill every prompt, then decode one token per request per forward (argmax): the
+    max_new_tokens tokens of each request (GreedyDecoder, whose ``cuda_graph`` this is)."""
+    decoder = GreedyDecoder(model, prompts, max_new_tokens, backend, page_size, kv_dtype, cuda_graph)
+    for _ in range(max_new_tokens - 1):
+        decoder.step()
+    return decoder.outputs()
 
 
 @torch.inference_mode()
