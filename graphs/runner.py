@@ -155,17 +155,18 @@ class GraphRunner:
         start = time.perf_counter()
         # Largest first (later graphs reuse its pool memory), the longest context's bound first.
         keys = [(bs, bound) for bs in reversed(self.buckets) for bound in reversed(self.kv_bounds[bs])]
-        # One warm-up stream for all captures: cuBLAS keeps a workspace per stream it has run on
-        # (32 MiB on SM90), so a stream per capture held one more each (H100: 290 -> 66 MiB for the
-        # bench model's 8 buckets; benchmarks/graph_capture.py).
-        warmup = torch.cuda.Stream()
+        # One side stream warms up and captures every graph: cuBLAS keeps a workspace per stream it
+        # has run on (32 MiB on SM90), so a warm-up stream per capture held one more each (H100,
+        # the bench model's 8 buckets: 290 MiB; one warm-up stream besides torch's capture stream
+        # 66; this 34, all but the graphs' 2; benchmarks/graph_capture.py).
+        stream = torch.cuda.Stream()
         try:
             for i, (bs, bound) in enumerate(keys):
                 if progress:
                     print(f"\rcapturing CUDA graphs: batch size {bs:4d}, kv bound {bound or 'none':>6} "
                           f"({i + 1}/{len(keys)})", end="", file=sys.stderr)
                 self.worker.kv_len_bound = bound  # the passes' AttnBatch.max_kv_len, in the captured launches
-                self.captured[bs, bound] = self._capture(bs, warmup)
+                self.captured[bs, bound] = self._capture(bs, stream)
         finally:
             self.worker.kv_len_bound = None
         torch.cuda.synchronize()
@@ -173,22 +174,22 @@ class GraphRunner:
             print(file=sys.stderr)
         return time.perf_counter() - start
 
-    def _capture(self, bs: int, warmup: torch.cuda.Stream) -> _Captured:
-        """The step over the first ``bs`` rows of the static inputs, as GRAPH_KINDS graphs, after
-        running it once on the side stream ``warmup`` (lazy inits, autotuning, JIT)."""
+    def _capture(self, bs: int, stream: torch.cuda.Stream) -> _Captured:
+        """The step over the first ``bs`` rows of the static inputs, as GRAPH_KINDS graphs captured
+        on the side stream ``stream``, after running it once there (lazy inits, autotuning, JIT)."""
         inputs = self.static.view(bs)
         stages, outputs = self._stages(inputs)
         if self.host_planned:
             self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
-        warmup.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warmup):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             for body in stages.values():
                 body()
-        torch.cuda.current_stream().wait_stream(warmup)
+        torch.cuda.current_stream().wait_stream(stream)
         graphs = {}
         for kind, body in stages.items():  # the stages' outputs stay referenced: later graphs read them
             graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graphs[kind], pool=self.pool):
+            with torch.cuda.graph(graphs[kind], pool=self.pool, stream=stream):
                 body()
         return _Captured(graphs, JoinedGraph(list(graphs.values())), outputs)
 
