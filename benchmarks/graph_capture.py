@@ -14,7 +14,6 @@ writes CSV and a PNG.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
@@ -58,15 +57,9 @@ def _in_child(backend: str, context: int, kv_bounds: bool) -> dict:
 
 
 def _report(rows: list[dict], out: str) -> None:
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
-    with open(out.rsplit(".", 1)[0] + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
+    from benchmarks.spec_step import write_table
+
+    write_table(rows, out)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -207,7 +207,8 @@ def target_only_tok_s(target, prompts: list[list[int]], backend: str, cuda_graph
     return len(prompts) * steps / (time.perf_counter() - start)
 
 
-def _report(rows: list[dict], out: str) -> None:
+def write_table(rows: list[dict], out: str) -> None:
+    """The rows as a markdown table on stdout and as CSV beside the plot ``out``."""
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
@@ -217,6 +218,10 @@ def _report(rows: list[dict], out: str) -> None:
         w = csv.DictWriter(f, keys)
         w.writeheader()
         w.writerows(rows)
+
+
+def _report(rows: list[dict], out: str) -> None:
+    write_table(rows, out)
     import matplotlib
 
     matplotlib.use("Agg")
