@@ -8,6 +8,7 @@ import torch
 from attn import triton_mla_wgmma
 from attn.triton_mla_plan import narrow_plan_limit
 from graphs.runner import GRAPH_KINDS, GraphRunner, StaticInputs, default_buckets, pick_bucket
+from specdec.baseline import greedy_generate
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.kv import PADDING_ROW
@@ -173,6 +174,19 @@ def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
     outputs, _ = run_to_completion(worker, groups, join_every=5)
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
     assert worker.target_pool.num_free_pages == worker.config.num_pages - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_graphed_target_only_decoding_equals_eager(backend):
+    """The graphed baseline the benchmarks and the example time (GreedyDecoder(cuda_graph=True):
+    an eager step, a capturing one, then replays) decodes what eager decoding does."""
+    target, _ = make_models("cuda", torch.float32)
+    group = prompts(3, seed=5)
+    kwargs = dict(backend=backend, page_size=16, kv_dtype=torch.bfloat16)
+    graphed = greedy_generate(target, group, 20, cuda_graph=True, **kwargs)
+    assert graphed == greedy_generate(target, group, 20, **kwargs)
+    assert [len(out) for out in graphed] == [20] * 3
 
 
 @pytest.mark.gpu
