@@ -196,8 +196,8 @@ def target_only_tok_s(target, prompts: list[list[int]], backend: str, cuda_graph
     GreedyDecoder after its eager warm-up and capture, timed together. (Timing whole runs of two
     lengths and taking the difference, as this did before, let the capture's garbage collection
     and the prefill's jitter swamp the 32 steps between them: 113k tokens/s at batch 4 once.)"""
-    decoder = GreedyDecoder(target, prompts, steps + 4, backend=backend, page_size=64, cuda_graph=cuda_graph)
-    for _ in range(3):
+    decoder = GreedyDecoder(target, prompts, steps + 3, backend=backend, page_size=64, cuda_graph=cuda_graph)
+    for _ in range(2):
         decoder.step()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -28,6 +28,7 @@ hashes (specdec.sampling), not a torch generator, whose offsets a joined launch 
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 import sys
 import time
@@ -47,6 +48,15 @@ def default_buckets(max_bs: int) -> list[int]:
     """``[1, 2, 4, 8] + range(16, max_bs + 1, 16)`` capped at max_bs, max_bs included."""
     sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
     return sorted(set(sizes) | {max_bs})
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every GraphRunner on ``device`` warms its captures up and captures them on.
+    cuBLAS keeps a workspace for each stream it has run on (32 MiB on SM90) for the life of the
+    process, so one stream holds one, however many graphs and runners there are
+    (benchmarks/graph_capture.py)."""
+    return torch.cuda.Stream(device)
 
 
 def pick_bucket(buckets: list[int], batch_size: int) -> Optional[int]:
@@ -155,11 +165,7 @@ class GraphRunner:
         start = time.perf_counter()
         # Largest first (later graphs reuse its pool memory), the longest context's bound first.
         keys = [(bs, bound) for bs in reversed(self.buckets) for bound in reversed(self.kv_bounds[bs])]
-        # One side stream warms up and captures every graph: cuBLAS keeps a workspace per stream it
-        # has run on (32 MiB on SM90), so a warm-up stream per capture held one more each (H100,
-        # the bench model's 8 buckets: 290 MiB; one warm-up stream besides torch's capture stream
-        # 66; this 34, all but the graphs' 2; benchmarks/graph_capture.py).
-        stream = torch.cuda.Stream()
+        stream = capture_stream(self.worker.device)
         try:
             for i, (bs, bound) in enumerate(keys):
                 if progress:

@@ -48,15 +48,16 @@ class GreedyDecoder:
     cuda_graph: the first step runs eagerly (warm-up), the second captures one decode step and
     runs it, later steps replay it: the fair baseline for a graphed spec step, and steps from the
     third on are the steady state to time. Backends that plan on the host are planned from the
-    host kv lengths before each replay.
+    host kv lengths before the capture and each replay.
     """
 
+    @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, backend: str = "torch_ref",
                  page_size: int = 16, kv_dtype: torch.dtype | None = None, cuda_graph: bool = False) -> None:
         """Room for ``max_new_tokens`` tokens a request (the first and max_new_tokens - 1 steps)."""
         bs = len(prompts)
         context = page_size * math.ceil((max(map(len, prompts)) + max_new_tokens + 1) / page_size)
-        self.model, self.cuda_graph = model, cuda_graph
+        self.model, self.cuda_graph, self.max_new_tokens = model, cuda_graph, max_new_tokens
         self.run = _Session(model, prompts, context, page_size, backend, kv_dtype)
         self.token = model.compute_logits(self.run.prefill_hidden[self.run.prefill.cu_seqlens_q[1:].long() - 1]).argmax(-1)
         self.tokens = [self.token.clone()]  # [B] int64 each, on the device
@@ -74,15 +75,19 @@ class GreedyDecoder:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Decode the next token of every request."""
+        """Decode the next token of every request; at most max_new_tokens - 1 steps (the room the
+        KV pool has)."""
+        if len(self.tokens) >= self.max_new_tokens:
+            raise RuntimeError(f"GreedyDecoder has decoded its max_new_tokens ({self.max_new_tokens}); "
+                               "build it with more to decode further")
         attn = self.run.attn
+        if self.cuda_graph and attn.needs_cpu_seq_lens:
+            attn.init_forward_metadata_replay_cuda_graph(len(self.host_lens), self.host_lens + len(self.tokens), 1)
         if self.cuda_graph and self.graph is None and len(self.tokens) > 1:
             gc.collect()  # garbage holding graphs or pinned memory must not be freed mid-capture
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self._decode()
-        if self.cuda_graph and attn.needs_cpu_seq_lens:
-            attn.init_forward_metadata_replay_cuda_graph(len(self.host_lens), self.host_lens + len(self.tokens), 1)
         if self.graph is not None:
             self.graph.replay()
         else:

@@ -1,0 +1,36 @@
+"""Target-only greedy decoding (specdec.baseline.GreedyDecoder) on the CPU."""
+
+import pytest
+import torch
+
+from specdec.baseline import GreedyDecoder, sequence_logits
+from spec_helpers import make_models, prompts
+
+
+def test_steps_decode_the_argmax_of_the_full_sequence_logits():
+    target, _ = make_models()
+    prompt = prompts(1, seed=3)[0]
+    decoder = GreedyDecoder(target, [prompt], 6)
+    for _ in range(5):
+        decoder.step()
+    out = decoder.outputs()[0]
+    logits = sequence_logits(target, prompt + out[:-1])  # one prefill of the whole sequence, no decode steps
+    assert out == logits[len(prompt) - 1:].argmax(-1).tolist()
+
+
+def test_a_step_past_its_room_is_refused_and_changes_nothing():
+    target, _ = make_models()
+    decoder = GreedyDecoder(target, prompts(2, seed=1), 3)
+    decoder.step()
+    decoder.step()
+    before = decoder.outputs()
+    with pytest.raises(RuntimeError, match="max_new_tokens"):
+        decoder.step()
+    assert decoder.outputs() == before and [len(out) for out in before] == [3, 3]
+
+
+def test_built_outside_inference_mode_it_records_no_autograd():
+    target, _ = make_models()
+    decoder = GreedyDecoder(target, prompts(2, seed=2), 4)
+    assert decoder.run.prefill_hidden.grad_fn is None
+    assert not any(buf.requires_grad for buf in decoder.run.pool.view().kv_buffers)
