@@ -105,9 +105,7 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
             replay.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
     gc.unfreeze()
-    for req in list(worker.requests):
-        worker._release(req)
-    worker.requests, worker.state = [], None
+    worker.abort(worker.requests)
     # Medians per step: this host's scheduler adds spikes of 100 us and more to single steps. The
     # mean of launch + finish (host_mean_us) also carries the rare page-crossing steps.
     host = [a + b for a, b in zip(launch, finish)]

@@ -106,14 +106,23 @@ class GraphRunner:
 
     def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True,
                  kv_bounds: bool = True) -> None:
-        """kv_bounds: also capture each bucket's step per kv bound (worker.kv_len_buckets); False:
-        only the longest context's graphs (fewer captures, and the long plans for every batch)."""
+        """batch_sizes: the buckets (default: the config's cuda_graph_batch_sizes, else
+        default_buckets), at most max_batch_size; below it only with eager_fallback, which runs
+        larger batches eagerly. kv_bounds: also capture each bucket's step per kv bound
+        (worker.kv_len_buckets); False: only the longest context's graphs (fewer captures, and
+        the long plans for every batch)."""
         # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the
         # worker frees the graphs at once, never in a garbage collection during another capture.
         self.worker = weakref.proxy(worker)
         cfg = worker.config
         self.buckets = sorted(set(batch_sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))
         self.eager_fallback = eager_fallback
+        if self.buckets[0] < 1 or self.buckets[-1] > cfg.max_batch_size:
+            raise ValueError(f"CUDA-graph batch sizes must lie in [1, max_batch_size={cfg.max_batch_size}], got {self.buckets}")
+        if self.buckets[-1] < cfg.max_batch_size and not eager_fallback:
+            raise ValueError(f"the largest CUDA-graph batch size ({self.buckets[-1]}) is below max_batch_size "
+                             f"({cfg.max_batch_size}): larger batches would have no graph; add a bucket of "
+                             f"{cfg.max_batch_size} or pass eager_fallback=True")
         backends = [worker.verify_backend, worker.draft_extend_backend, *worker.draft_backend.steps]
         unsupported = sorted({b.name for b in backends if not b.supports_cuda_graph})
         if unsupported:

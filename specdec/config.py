@@ -18,6 +18,11 @@ class ConfigError(ValueError):
 DRAFT_MODES = ("eagle", "standalone")
 
 
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+
+
 @dataclass
 class SpecConfig:
     """Spec-decode settings.
@@ -32,7 +37,8 @@ class SpecConfig:
         (default: attention_backend, or its family's fallback; see attn.registry).
     page_size: tokens per KV page; must divide max_context_len.
     kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp32" or "fp8_e4m3".
-    max_batch_size / max_context_len / num_pages: pool and buffer sizes (num_pages per pool).
+    max_batch_size / max_context_len: pool and buffer sizes. num_pages: KV pages per pool; None
+        (default): every request at full context plus the padding page (``pool_pages``).
     cuda_graph_batch_sizes: buckets for CUDA graphs (graphs.runner.GraphRunner's default).
     enable_sampling: verify by tree rejection sampling so requests may use temperature > 0
         (greedy requests still get exactly the greedy output); off: argmax verification only.
@@ -57,15 +63,33 @@ class SpecConfig:
         if self.num_draft_tokens is None and self.topk == 1:
             self.num_draft_tokens = self.num_steps + 1
         self.validate()
-        if self.num_pages is None:
-            # Every request at full context, plus the padding page (each pool is sized alike).
-            self.num_pages = self.max_batch_size * (self.max_context_len // self.page_size) + 1
+
+    @property
+    def pool_pages(self) -> int:
+        """KV pages of each pool: num_pages, else every request at full context plus the padding
+        page (derived here, so a copy with other sizes derives its own)."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return self.max_batch_size * (self.max_context_len // self.page_size) + 1
+
+    @property
+    def spec_headroom(self) -> int:
+        """Context positions a request needs past its prompt and max_new_tokens: the largest verify
+        tree or draft region, the standalone draft's one position more, and the root."""
+        return max(self.num_draft_tokens, self.draft_region_len) + (self.draft_mode == "standalone") + 1
 
     @property
     def backends(self) -> BackendChoice:
         return resolve_backends(self.attention_backend, self.decode_backend, self.prefill_backend)
 
     def validate(self) -> None:
+        """Raise ConfigError naming the first invalid setting. EagleWorker validates again, so a
+        config changed after construction is checked too."""
+        for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len"):
+            _check_int(name, getattr(self, name))
+        for name in ("num_draft_tokens", "num_pages"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
         if self.num_steps < 1:
             raise ConfigError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.topk < 1:
@@ -96,10 +120,19 @@ class SpecConfig:
             check_query_lens(choice, self.num_draft_tokens, self.num_steps, self.topk)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if self.page_size < 1 or self.max_context_len % self.page_size:
-            raise ConfigError(f"page_size ({self.page_size}) must divide max_context_len ({self.max_context_len})")
+        if self.page_size < 1 or self.max_context_len < 1 or self.max_context_len % self.page_size:
+            raise ConfigError(f"page_size ({self.page_size}) must divide max_context_len ({self.max_context_len}), "
+                              "both >= 1")
+        if self.max_context_len < self.spec_headroom + 2:
+            raise ConfigError(f"max_context_len ({self.max_context_len}) leaves no room for a request: a one-token "
+                              f"prompt and one new token need {self.spec_headroom + 2} with this tree; raise it")
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if (self.max_batch_size + 1) * self.max_context_len >= 2**31:
+            raise ConfigError(f"(max_batch_size + 1) * max_context_len must stay below 2**31 (int32 KV slot "
+                              f"indices), got {self.max_batch_size + 1} * {self.max_context_len}; lower one of them")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError(f"num_pages must be at least 2 (page 0 is the padding sink), got {self.num_pages}")
         if any(bs < 1 or bs > self.max_batch_size for bs in self.cuda_graph_batch_sizes):
             raise ConfigError(f"cuda_graph_batch_sizes must lie in [1, max_batch_size={self.max_batch_size}], got {self.cuda_graph_batch_sizes}")
 

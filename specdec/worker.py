@@ -11,6 +11,7 @@ bookkeeping overlaps that last pass.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import numpy as np
@@ -31,6 +32,14 @@ from specdec.tree import VerifyTree, start_tree, topk_probs
 from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
 
+def _index(rule: str, value: object) -> int:
+    """value as an int (numpy integers included); else a ValueError stating ``rule``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{rule}, got {value!r}") from None
+
+
 GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
 KV_BOUND_GAP = 64  # kv rows within which EagleWorker.kv_len_buckets keeps one bound
 
@@ -41,6 +50,7 @@ class EagleWorker:
     def __init__(self, target: torch.nn.Module, draft: DraftModel, config: SpecConfig) -> None:
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
+        config.validate()  # again: a config may have been changed since it was built
         self.config = config
         self.target, self.draft = target, draft
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
@@ -49,7 +59,7 @@ class EagleWorker:
         kv_dtype = self.dtype if config.kv_dtype == "auto" else KV_DTYPES[config.kv_dtype]
 
         def pool(num_layers: int) -> MLAKVPool:
-            return MLAKVPool(num_layers, config.num_pages, config.page_size, config.max_batch_size,
+            return MLAKVPool(num_layers, config.pool_pages, config.page_size, config.max_batch_size,
                              config.max_context_len, kv_dtype, self.device)
 
         self.target_pool, self.draft_pool = pool(target.num_attention_layers), pool(draft.num_attention_layers)
@@ -72,6 +82,7 @@ class EagleWorker:
         self._batch: Optional[BatchHost] = None  # host arrays of the running batch; None: rebuild
         # the step's one copy to the host: [bs, num_steps + 4] = emitted tokens, accept_len, take, done
         self._emitted = HostCopy((bs, steps + 4), self.device)
+        self._in_flight: Optional[AcceptResult] = None  # launch_step's result until finish_step takes it
 
     # ------------------------------------------------------------ admission
     @torch.inference_mode()
@@ -81,11 +92,24 @@ class EagleWorker:
     ) -> list[Request]:
         """Prefill new requests (target, then draft) and add them to the running batch.
 
-        sampling: one SamplingParams per prompt (default greedy); temperature > 0 needs
-        ``SpecConfig.enable_sampling``. Validates everything first: a bad request raises and
-        changes nothing.
+        prompts: token ids (ints) per request; max_new_tokens >= 1 (the prefill's token is the
+        first); eos_token_id: one id or None. sampling: one SamplingParams per prompt (default
+        greedy); temperature > 0 needs ``SpecConfig.enable_sampling``. Validates everything first: a
+        bad request raises and changes nothing; a failure while prefilling (out of memory) releases
+        the new requests' pages and rows and leaves the running batch as it was. Not while a step
+        is in flight (between launch_step and finish_step).
         """
+        self._check_idle("add_requests")
+        if not prompts:
+            return []
         cfg = self.config
+        max_new_tokens = _index("max_new_tokens must be an int", max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (the prefill emits the first token), got {max_new_tokens}")
+        vocab = self.target.config.vocab_size
+        if eos_token_id is not None:
+            eos_token_id = _index("eos_token_id must be one int or None", eos_token_id)
+            validate_token_ids([eos_token_id], vocab)
         sampling = sampling or [SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
@@ -93,30 +117,35 @@ class EagleWorker:
             raise ValueError("temperature > 0 needs SpecConfig(enable_sampling=True) (rejection-sampling verification)")
         if len(self.requests) + len(prompts) > cfg.max_batch_size:
             raise ValueError(f"{len(self.requests)} running + {len(prompts)} new requests exceed max_batch_size {cfg.max_batch_size}")
-        vocab = self.target.config.vocab_size
-        headroom = max(cfg.num_draft_tokens, cfg.draft_region_len) + self.draft_offset + 1
+        prompts = [[_index("prompt tokens must be ints", t) for t in prompt] for prompt in prompts]
         for prompt in prompts:
             if not prompt:
                 raise ValueError("empty prompt: a request needs at least one token")
             validate_token_ids(prompt, vocab)
-            if len(prompt) + max_new_tokens + headroom > cfg.max_context_len:
+            if len(prompt) + max_new_tokens + cfg.spec_headroom > cfg.max_context_len:
                 raise ValueError(
-                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + {headroom} spec headroom "
-                    f"exceed max_context_len {cfg.max_context_len}; raise max_context_len or shorten the request"
+                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + {cfg.spec_headroom} spec "
+                    f"headroom exceed max_context_len {cfg.max_context_len}; raise max_context_len or shorten the request"
                 )
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
-        new_state = self._prefill(new)
-        keep = []
-        for i, (req, token) in enumerate(zip(new, HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist())):
-            req.output.append(token)  # the prefill's token is the first output
-            req.finished = max_new_tokens <= 1 or token == eos_token_id
-            if req.finished:
+        try:
+            new_state = self._prefill(new)
+            first = HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist()
+            keep = [i for i, token in enumerate(first) if not (max_new_tokens <= 1 or token == eos_token_id)]
+            if keep:
+                new_state = new_state.select(torch.tensor(keep, device=self.device))
+                state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
+        except BaseException:
+            for req in new:
                 self._release(req)
-            else:
-                keep.append(i)
+            raise
+        for i, (req, token) in enumerate(zip(new, first)):
+            req.output.append(token)  # the prefill's token is the first output
+            if i not in keep:
+                req.finished = True
+                self._release(req)
         if keep:
-            new_state = new_state.select(torch.tensor(keep, device=self.device))
-            self.state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
+            self.state = state
             self.requests.extend(new[i] for i in keep)
             self._batch = None
         return new
@@ -131,7 +160,7 @@ class EagleWorker:
                 self.target_pool.ensure_capacity(req.target_row, len(prompt))
                 self.draft_pool.ensure_capacity(req.draft_row, len(prompt) + self.draft_offset)
                 self._next_rid += 1
-        except OutOfPagesError:
+        except BaseException:
             for req in new:
                 self._release(req)
             raise
@@ -200,6 +229,7 @@ class EagleWorker:
     @torch.inference_mode()
     def launch_step(self) -> AcceptResult:
         """Reserve pages and enqueue the step's device work (graph replay or eager); no host sync."""
+        self._check_idle("launch_step")
         if not self.requests:
             raise RuntimeError("no running requests: add_requests first")
         self._reserve_pages()
@@ -211,7 +241,31 @@ class EagleWorker:
             out = self.spec_pass(st, target_rows, draft_rows)
         result, self.state, self.last_tree = out
         self._emitted.start(result.emitted.shape[0])
+        self._in_flight = result
         return result
+
+    def _check_idle(self, call: str) -> None:
+        """Refuse ``call`` while a step is in flight: its results apply to the batch it launched."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"{call} while a step is in flight: finish_step(result of launch_step) first")
+
+    @torch.inference_mode()
+    def abort(self, requests: list[Request]) -> None:
+        """Stop running ``requests`` now (e.g. to free pages for others): they leave the batch as
+        finished, with the tokens emitted so far, and their KV pages and rows return to the pools.
+        Requests already finished are left as they are. Not while a step is in flight."""
+        self._check_idle("abort")
+        stop = {id(r) for r in requests}
+        keep = [i for i, r in enumerate(self.requests) if id(r) not in stop]
+        if len(keep) == len(self.requests):
+            return
+        for req in self.requests:
+            if id(req) in stop:
+                req.finished = True
+                self._release(req)
+        self.requests = [self.requests[i] for i in keep]
+        self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
+        self._batch = None
 
     def state_template(self, batch_size: int) -> DecodeState:
         """An (uninitialised) DecodeState of ``batch_size`` rows: the graph runner's static inputs."""
@@ -455,6 +509,9 @@ class EagleWorker:
     def finish_step(self, result: AcceptResult) -> StepStats:
         """Wait for the step's copy to the host (enqueued by launch_step, of ``result`` and its
         stops); then the host bookkeeping, and finished requests leave."""
+        if result is not self._in_flight:
+            raise RuntimeError("finish_step takes the result of the step in flight (what launch_step returned)")
+        self._in_flight = None
         packed = self._emitted.wait()  # [B, num_steps + 4]: result.emitted, accept_len, take, done
         accept_len, take, done = packed[:, -3:].T
         h = self._batch_host()

@@ -80,12 +80,30 @@ def test_config_errors_name_the_setting():
         (dict(kv_dtype="int4"), "kv_dtype"),
         (dict(draft_mode="medusa"), "draft_mode"),
         (dict(attention_backend="trtllm_mla", page_size=64, topk=2, num_draft_tokens=4), "tree mask"),
+        (dict(num_steps=2.5), "num_steps must be an int"),
+        (dict(max_context_len=0), "max_context_len"),
+        (dict(max_context_len=16, page_size=16, num_steps=20), "max_context_len .16. leaves no room"),
+        (dict(max_batch_size=2**20, max_context_len=4096), "2\\*\\*31"),
+        (dict(num_pages=1), "num_pages must be at least 2"),
     ]:
         with pytest.raises(ConfigError, match=needle):
             SpecConfig(**kw)
 
 
+def test_config_copies_derive_their_own_pages_and_workers_revalidate():
+    import dataclasses
+
+    from specdec.worker import EagleWorker
+
+    small = SpecConfig(max_batch_size=2, max_context_len=64)
+    big = dataclasses.replace(small, max_batch_size=8, max_context_len=256)
+    assert (small.pool_pages, big.pool_pages) == (2 * 4 + 1, 8 * 16 + 1)
+    small.max_batch_size = 0  # changed after construction: the worker validates it again
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        EagleWorker(torch.nn.Linear(1, 1), None, small)
+
+
 def test_config_page_size_adjusted_for_blackwell():
     with pytest.warns(UserWarning):
         cfg = SpecConfig(attention_backend="trtllm_mla", page_size=16, max_context_len=512)
-    assert cfg.page_size == 64 and cfg.num_pages == cfg.max_batch_size * 8 + 1
+    assert cfg.page_size == 64 and cfg.pool_pages == cfg.max_batch_size * 8 + 1

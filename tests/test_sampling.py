@@ -76,7 +76,8 @@ def test_hash_uniform_is_uniform_and_reproducible():
 
 
 def test_bad_sampling_params():
-    for kw in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2)):
+    for kw in (dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0),
+               dict(top_p=float("nan")), dict(top_k=-2), dict(top_k=1.5), dict(seed=2**63), dict(seed=0.5)):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.models import DeepseekV3ForCausalLM
+from specdec.kv import OutOfPagesError
 from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, prompts, reference, run_to_completion, tiny_config
 
@@ -108,6 +110,99 @@ def test_bad_requests_leave_running_state_intact(target, mtp):
     while worker.requests:
         worker.step()
     assert [r.output for r in reqs] == greedy_generate(target, group, 8)
+
+
+def test_more_bad_inputs_are_refused_up_front(target, mtp):
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=3, max_context_len=64))
+    free = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    for args, kwargs, needle in [
+        (([[1, 2]], 0), {}, "max_new_tokens must be >= 1"),
+        (([[1, 2]], 3.5), {}, "max_new_tokens must be an int"),
+        (([[1.5, 2.0]], 4), {}, "prompt tokens must be ints"),
+        (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
+        (([[1, 2]], 4), dict(eos_token_id=2**63), "token ids must lie in"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            worker.add_requests(*args, **kwargs)
+    assert worker.add_requests([], 4) == [] and not worker.requests
+    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free
+    group = [np.array(p) for p in prompts(2, seed=12)]  # numpy ids are ints too
+    reqs = worker.add_requests(group, 6)
+    while worker.requests:
+        worker.step()
+    assert [r.output for r in reqs] == greedy_generate(target, [p.tolist() for p in group], 6)
+
+
+def test_a_failed_prefill_releases_the_new_requests(target, mtp):
+    """An error after the new requests got their rows and pages (out of memory in the prefill)
+    returns them and leaves the running batch as it was."""
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
+    group = prompts(2, seed=13)
+    reqs = worker.add_requests(group, 8)
+    free = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    forward = worker._forward
+    worker._forward = lambda *args: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("simulated"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        worker.add_requests(prompts(2, seed=14), 8)
+    worker._forward = forward
+    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free
+    assert worker.requests == reqs
+    more = worker.add_requests(prompts(2, seed=14), 8)  # the rows came back: room for two more
+    while worker.requests:
+        worker.step()
+    assert [r.output for r in reqs + more] == greedy_generate(target, group + prompts(2, seed=14), 8)
+
+
+def test_nothing_changes_the_batch_while_a_step_is_in_flight(target, mtp):
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
+    group = prompts(2, seed=15)
+    reqs = worker.add_requests(group, 10)
+    result = worker.launch_step()
+    for call in (worker.launch_step, lambda: worker.add_requests([[1, 2]], 4), lambda: worker.abort(reqs)):
+        with pytest.raises(RuntimeError, match="in flight"):
+            call()
+    with pytest.raises(RuntimeError, match="result of the step in flight"):
+        worker.finish_step(object())
+    worker.finish_step(result)
+    with pytest.raises(RuntimeError, match="result of the step in flight"):
+        worker.finish_step(result)  # taken once
+    while worker.requests:
+        worker.step()
+    assert [r.output for r in reqs] == greedy_generate(target, group, 10)
+
+
+def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
+    free = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    group = prompts(3, seed=16)
+    reqs = worker.add_requests(group, 12)
+    worker.step()
+    emitted = list(reqs[1].output)
+    worker.abort([reqs[1]])
+    worker.abort([reqs[1]])  # no longer running: nothing to do
+    assert reqs[1].finished and reqs[1].output == emitted and worker.requests == [reqs[0], reqs[2]]
+    while worker.requests:
+        worker.step()
+    expected = greedy_generate(target, group, 12)
+    assert [reqs[0].output, reqs[2].output] == [expected[0], expected[2]]
+    assert emitted == expected[1][: len(emitted)]
+    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free
+
+
+def test_out_of_pages_mid_run_recovers_by_abort(target, mtp):
+    """A step that cannot reserve pages raises before it launches; aborting a request returns its
+    pages and the other runs on to its greedy output."""
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=2, max_context_len=128, num_pages=9))
+    group = prompts(2, seed=17)
+    reqs = worker.add_requests(group, 80)
+    with pytest.raises(OutOfPagesError):
+        while worker.requests:
+            worker.step()
+    worker.abort([reqs[0]])
+    while worker.requests:
+        worker.step()
+    assert reqs[1].output == greedy_generate(target, group[1:], 80)[0]
+    assert worker.target_pool.num_free_pages == worker.draft_pool.num_free_pages == 8
 
 
 def test_unknown_backend_is_a_config_error():

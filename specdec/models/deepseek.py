@@ -27,10 +27,15 @@ from specdec.models.config import DeepseekV3Config
 def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int) -> None:
     """Raise ValueError unless every id lies in ``[0, vocab_size)``. Reads the values: call it on
     host data (it would synchronise with a device tensor)."""
-    ids = torch.as_tensor(ids)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    try:
+        ids = torch.as_tensor(ids)
+    except (OverflowError, ValueError):  # ids beyond int64
+        bad = sorted({int(t) for t in ids if not 0 <= t < vocab_size})[:8]
+    else:
+        if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size):
+            return
         bad = ids[(ids < 0) | (ids >= vocab_size)].unique()[:8].tolist()
-        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {bad}")
+    raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {bad}")
 
 
 def check_inputs(input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> None:
