@@ -17,3 +17,5 @@ class CuteDslMLABackend(TrtllmMLABackend):
     supports_prefill = False
     supports_draft_extend = False
     prefill_fallback = "trtllm_mla"
+    # FlashInfer's cute-dsl entry point takes block tables of whole 128-token blocks.
+    table_tokens_multiple = 128

@@ -36,6 +36,8 @@ class FlashInferMLABackend(PagedMLABackend):
         device = self.kv.device
         self._backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
         self._num_sm = torch.cuda.get_device_properties(device).multi_processor_count
+        # The largest uniform pass this backend serves must fit FlashInfer's tiles (raises if not).
+        Fa3Geometry(self.max_batch_size, self.max_q_len, self.layer.num_heads, self._num_sm)
         # One float workspace (split-KV partials) for this backend's wrappers: they run one at a time.
         self._float_workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
         self.wrapper = BatchMLAPagedAttentionWrapper(self._float_workspace, backend=self._backend)  # host-planned prefill

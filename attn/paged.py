@@ -69,6 +69,7 @@ class PagedMLABackend:
     required_sm: Optional[tuple[int, ...]] = None  # compute-capability majors the kernel runs on
     page_sizes: Optional[tuple[int, ...]] = None  # None: any page size
     kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp32", "fp8_e4m3")
+    table_tokens_multiple = 1  # block tables (max_context_len tokens wide) must span a multiple of this
     workspace_bytes = 0
 
     def __init__(
@@ -86,6 +87,7 @@ class PagedMLABackend:
         self.page_size = kv.page_size
         self.max_pages = math.ceil(kv.max_context_len / kv.page_size)
         self.max_batch_size = max_batch_size
+        self.max_q_len = max_q_len
         self.metadata: Optional[PagedMetadata] = None
         self._graph_buffers: Optional[GraphBuffers] = None
         self.tree_mask: Optional[torch.Tensor] = None
@@ -106,6 +108,10 @@ class PagedMLABackend:
         requests (the multi-step draft's steps share one table); used as is, not copied.
         """
         bs = batch.batch_size
+        shapes = (tuple(batch.req_pool_indices.shape), tuple(batch.seq_lens.shape), tuple(batch.cu_seqlens_q.shape))
+        if bs > self.max_batch_size or shapes != ((bs,), (bs,), (bs + 1,)):
+            raise ValueError(f"{self.name}: a batch of {bs} (at most max_batch_size={self.max_batch_size}) needs "
+                             f"req_pool_indices and seq_lens [{bs}] and cu_seqlens_q [{bs + 1}], got {shapes}")
         tables = shared_block_tables
         if tables is None:
             tables = (self.kv.req_to_token[batch.req_pool_indices][:, :: self.page_size] // self.page_size).int()
@@ -142,21 +148,27 @@ class PagedMLABackend:
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
-        cache = self.kv.kv_buffers[layer_id]
-        self._write_kv(cache, kv_new, batch.out_cache_loc)
+        # Every check before the cache write: a refused pass leaves the cache as it was.
         md = self.metadata
         if md is None:
             raise RuntimeError(f"{self.name}: init_forward_metadata was not called before forward")
         if batch.custom_mask is not None and not self.supports_tree_mask:
             raise ValueError(f"{self.name} cannot attend with a tree mask; use topk=1 or a tree-mask backend")
+        if not batch.uniform_q_len and (batch.mode is not ForwardMode.EXTEND or not self.supports_prefill):
+            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND)")
+        if batch.uniform_q_len and q.shape[0] != batch.batch_size * batch.max_q_len:
+            raise ValueError(f"{self.name}: {batch.batch_size} requests of {batch.max_q_len} query tokens need "
+                             f"{batch.batch_size * batch.max_q_len} query rows, got {q.shape[0]}")
+        if kv_new.shape[0] != batch.out_cache_loc.shape[0]:
+            raise ValueError(f"{self.name}: {kv_new.shape[0]} new kv rows for {batch.out_cache_loc.shape[0]} cache slots")
+        cache = self.kv.kv_buffers[layer_id]
+        self._write_kv(cache, kv_new, batch.out_cache_loc)
         if batch.uniform_q_len:
             bs, q_len = batch.batch_size, batch.max_q_len
             out = self._run_decode_kernel(
                 q.view(bs, q_len, *q.shape[1:]), cache, md.block_tables, md.seq_lens, md.max_seq_len, batch.custom_mask
             )
             return out.reshape(q.shape[0], q.shape[1], KV_LORA_RANK)
-        if batch.mode is not ForwardMode.EXTEND or not self.supports_prefill:
-            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND)")
         return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
 
     def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:

@@ -105,16 +105,29 @@ def check_tree_support(choice: BackendChoice, topk: int) -> None:
     """topk > 1 trees need tree masks in the target verify and in the draft's steps."""
     if topk == 1:
         return
-    for role in ("target", "draft"):
+    for role, setting in (("target", "attention_backend"), ("draft", "decode_backend")):
         cls = get_backend_class(getattr(choice, role))
         if not cls.supports_tree_mask:
-            raise ValueError(f"{cls.name} ({role}) cannot attend with a tree mask: use topk=1, or torch_ref/triton_mla for {role}")
+            masked = [n for n in backend_names() if get_backend_class(n).supports_tree_mask]
+            raise ValueError(f"{cls.name} ({role}) cannot attend with a tree mask: use topk=1, or set {setting} "
+                             f"to one of {masked}")
+
+
+def check_context_len(choice: BackendChoice, max_context_len: int) -> None:
+    """Block tables span max_context_len tokens: a multiple of what every chosen backend needs."""
+    for role, cls in choice.classes().items():
+        step = cls.table_tokens_multiple
+        if max_context_len % step:
+            raise ValueError(f"{cls.name} ({role}) needs max_context_len to be a multiple of {step}; "
+                             f"raise it to {-(-max_context_len // step) * step}")
 
 
 def check_query_lens(choice: BackendChoice, num_draft_tokens: int, num_steps: int, topk: int) -> None:
     """Verify (num_draft_tokens), draft-extend (num_steps + 1) and draft (topk) query tokens per
     request must fit the decode kernel of the backend serving each."""
-    for role, q_len, setting in (("target", num_draft_tokens, "num_draft_tokens"),
+    # With topk 1 the verify chain is num_steps + 1 tokens: num_steps is the setting to lower.
+    verify_setting = "num_steps" if topk == 1 else "num_draft_tokens"
+    for role, q_len, setting in (("target", num_draft_tokens, verify_setting),
                                  ("draft_extend", num_steps + 1, "num_steps"), ("draft", topk, "topk")):
         cls = get_backend_class(getattr(choice, role))
         if cls.max_decode_q_len is not None and q_len > cls.max_decode_q_len:

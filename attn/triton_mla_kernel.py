@@ -377,6 +377,9 @@ def mla_paged_attention(
     Returns out [T, H, 512]. Softmax is fp32 with scale sm_scale; a query that sees no key
     (e.g. seq_lens 0 padding) outputs 0. Rows past cu_seqlens_q[B] are not written. Never
     synchronises with the host; the launch grid depends only on shapes, so it is graph-safe.
+    So the device metadata is not checked (that would synchronise): a request of more than
+    max_q_len queries, a seq_len past its block-table row or a decreasing cu_seqlens_q give
+    undefined results, and page ids past num_pages undefined reads.
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask, out, num_splits,
                   max_kv_len)

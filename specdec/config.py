@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from attn.registry import (
-    BackendChoice, check_kv_dtype, check_page_size, check_query_lens, check_tree_support, resolve_backends,
+    BackendChoice, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
+    resolve_backends,
 )
 from specdec.kv import KV_DTYPES
 
@@ -123,6 +124,10 @@ class SpecConfig:
         if self.page_size < 1 or self.max_context_len < 1 or self.max_context_len % self.page_size:
             raise ConfigError(f"page_size ({self.page_size}) must divide max_context_len ({self.max_context_len}), "
                               "both >= 1")
+        try:
+            check_context_len(choice, self.max_context_len)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.max_context_len < self.spec_headroom + 2:
             raise ConfigError(f"max_context_len ({self.max_context_len}) leaves no room for a request: a one-token "
                               f"prompt and one new token need {self.spec_headroom + 2} with this tree; raise it")

@@ -20,9 +20,9 @@ import torch
 from attn.base import AttnBatch, ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
-from attn.registry import check_device
+from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_batch, host_to_device, ragged_arange, uniform_batch
-from specdec.config import SpecConfig
+from specdec.config import ConfigError, SpecConfig
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
@@ -57,6 +57,12 @@ class EagleWorker:
         choice = config.backends
         check_device(choice, self.device)
         kv_dtype = self.dtype if config.kv_dtype == "auto" else KV_DTYPES[config.kv_dtype]
+        if config.kv_dtype == "auto":  # the model's dtype must suit the backends as a named one would
+            name = next((n for n, d in KV_DTYPES.items() if d == kv_dtype), str(kv_dtype))
+            try:
+                check_kv_dtype(choice, name)
+            except ValueError as err:
+                raise ConfigError(f"kv_dtype='auto' is the model's dtype, {name}: {err}") from None
 
         def pool(num_layers: int) -> MLAKVPool:
             return MLAKVPool(num_layers, config.pool_pages, config.page_size, config.max_batch_size,
@@ -66,11 +72,16 @@ class EagleWorker:
         classes = choice.classes()
         bs, ndt, steps, topk = config.max_batch_size, config.num_draft_tokens, config.num_steps, config.topk
         tview, dview = self.target_pool.view(), self.draft_pool.view()
-        self.verify_backend = classes["target"](tview, target.attn_spec(), bs, ndt, ndt if topk > 1 else 0)
-        self.target_prefill_backend = classes["prefill"](tview, target.attn_spec(), bs, ndt)
-        self.draft_backend = MultiStepDraftBackend(classes["draft"], dview, draft.attn_spec(), bs, steps, topk)
-        self.draft_prefill_backend = classes["prefill"](dview, draft.attn_spec(), bs, steps + 1)
-        self.draft_extend_backend = classes["draft_extend"](dview, draft.attn_spec(), bs, steps + 1)
+        try:  # backends check the model's heads and the passes' sizes against their kernels here
+            self.verify_backend = classes["target"](tview, target.attn_spec(), bs, ndt, ndt if topk > 1 else 0)
+            self.target_prefill_backend = classes["prefill"](tview, target.attn_spec(), bs, ndt)
+            self.draft_backend = MultiStepDraftBackend(classes["draft"], dview, draft.attn_spec(), bs, steps, topk)
+            self.draft_prefill_backend = classes["prefill"](dview, draft.attn_spec(), bs, steps + 1)
+            self.draft_extend_backend = classes["draft_extend"](dview, draft.attn_spec(), bs, steps + 1)
+        except ValueError as err:
+            raise ConfigError(f"{err} (query tokens per request: verify {ndt} = num_draft_tokens, draft steps {topk} "
+                              f"= topk, draft-extend {steps + 1} = num_steps + 1; batches up to max_batch_size={bs})"
+                              ) from None
         self.requests: list[Request] = []
         self.state: Optional[DecodeState] = None
         self.last_tree: Optional[VerifyTree] = None  # the tree verified by the last step, for inspection

@@ -78,7 +78,7 @@ def test_worker_lossless_through_the_seam(target, mtp, kernel_calls, backend, kv
 
 
 def test_workspaces_are_isolated_and_trtllm_gen_is_zeroed(target, mtp, kernel_calls):
-    cfg = SpecConfig(num_steps=2, attention_backend="cutedsl_mla", page_size=64, max_batch_size=2, max_context_len=128)
+    cfg = SpecConfig(num_steps=2, attention_backend="cutedsl_mla", kv_dtype="bf16", page_size=64, max_batch_size=2, max_context_len=128)
     worker = EagleWorker(target, mtp, cfg)
     cute = worker.verify_backend.workspace
     trt = worker.draft_extend_backend.workspace
@@ -89,6 +89,21 @@ def test_workspaces_are_isolated_and_trtllm_gen_is_zeroed(target, mtp, kernel_ca
     # every trtllm-gen user shares the one zeroed buffer
     assert worker.target_prefill_backend.workspace.data_ptr() == trt.data_ptr()
     assert all(b.workspace.data_ptr() == cute.data_ptr() for b in worker.draft_backend.steps)
+
+
+def test_worker_build_refuses_what_the_kernels_would(mtp, kernel_calls):
+    """Settings the library would refuse at the first pass are refused when the worker is built,
+    naming the setting: an fp32 model's kv_dtype='auto', and trtllm-gen's head counts 65-127."""
+    from specdec.config import ConfigError
+    from spec_helpers import make_models
+
+    fp32_target, _ = make_models()
+    with pytest.raises(ConfigError, match="kv_dtype='auto' is the model's dtype, fp32"):
+        EagleWorker(fp32_target, mtp, SpecConfig(attention_backend="cutedsl_mla", page_size=64, max_context_len=128))
+    target96, mtp96 = make_models(num_attention_heads=96)
+    with pytest.raises(ConfigError, match="trtllm-gen MLA takes up to 64 heads or 128, not 96"):
+        EagleWorker(target96, mtp96, SpecConfig(attention_backend="trtllm_mla", kv_dtype="bf16", page_size=64,
+                                                max_context_len=128))
 
 
 def test_tokenspeed_workspace_sized_from_sms_and_heads(target, mtp, kernel_calls):

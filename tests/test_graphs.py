@@ -179,7 +179,7 @@ def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
     groups = [(prompts(2, seed=1), 40), (prompts(3, seed=2), 25), (prompts(1, seed=3), 30)]
     outputs, _ = run_to_completion(worker, groups, join_every=5)
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
-    assert worker.target_pool.num_free_pages == worker.config.num_pages - 1
+    assert worker.target_pool.num_free_pages == worker.config.pool_pages - 1
 
 
 @pytest.mark.gpu

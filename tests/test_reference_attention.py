@@ -75,6 +75,34 @@ def test_backend_writes_kv_then_attends():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_refused_passes_leave_the_cache_and_metadata_as_they_were():
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 6)
+    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=2, max_q_len=2)
+    loc = pool.req_to_token[row, 4:6].long()
+    batch = AttnBatch(ForwardMode.TARGET_VERIFY, torch.tensor([row]), torch.tensor([6], dtype=torch.int32), loc,
+                      torch.tensor([0, 2], dtype=torch.int32), 2, True)
+    cache = pool.kv_buffers[0].clone()
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, batch)
+    backend.init_forward_metadata(batch)
+    metadata = backend.metadata
+    with pytest.raises(ValueError, match="need 2 query rows, got 3"):
+        backend.forward(torch.randn(3, 2, 576), torch.randn(2, 576), 0, batch)
+    with pytest.raises(ValueError, match="3 new kv rows for 2 cache slots"):
+        backend.forward(torch.randn(2, 2, 576), torch.randn(3, 576), 0, batch)
+    three = AttnBatch(ForwardMode.TARGET_VERIFY, torch.tensor([row] * 3), torch.tensor([6] * 3, dtype=torch.int32),
+                      loc, torch.tensor([0, 2, 4, 6], dtype=torch.int32), 2, True)
+    with pytest.raises(ValueError, match="at most max_batch_size=2"):
+        backend.init_forward_metadata(three)
+    short = AttnBatch(ForwardMode.TARGET_VERIFY, torch.tensor([row, row]), torch.tensor([6], dtype=torch.int32),
+                      loc, torch.tensor([0, 2, 4], dtype=torch.int32), 2, True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        backend.init_forward_metadata(short)
+    assert torch.equal(pool.kv_buffers[0], cache) and backend.metadata is metadata
+
+
 class ChunkedDecodeBackend(TorchRefBackend):
     """Prefill through the paged default: the (reference) decode kernel over chunks of 3 query tokens."""
 

@@ -85,6 +85,10 @@ def test_config_errors_name_the_setting():
         (dict(max_context_len=16, page_size=16, num_steps=20), "max_context_len .16. leaves no room"),
         (dict(max_batch_size=2**20, max_context_len=4096), "2\\*\\*31"),
         (dict(num_pages=1), "num_pages must be at least 2"),
+        (dict(attention_backend="cutedsl_mla", page_size=64, max_context_len=192), "multiple of 128; raise it to 256"),
+        (dict(attention_backend="trtllm_mla", page_size=64, num_steps=8, max_context_len=512), "lower num_steps"),
+        (dict(attention_backend="torch_ref", decode_backend="trtllm_mla", page_size=64, topk=2, num_draft_tokens=4),
+         "set decode_backend to one of"),
     ]:
         with pytest.raises(ConfigError, match=needle):
             SpecConfig(**kw)
