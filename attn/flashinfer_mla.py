@@ -67,8 +67,6 @@ class FlashInferMLABackend(PagedMLABackend):
             self._plan(self.wrapper, MLAPlanMetadata.dense(md.cu_seqlens_q, md.block_tables, md.seq_lens, batch.max_q_len))
             self.wrapper_in_use = self.wrapper
             return
-        if batch.batch_size > self.max_batch_size:
-            raise ValueError(f"{self.name}: batch of {batch.batch_size} exceeds max_batch_size {self.max_batch_size}")
         geometry = Fa3Geometry(batch.batch_size, batch.max_q_len, self.layer.num_heads, self._num_sm)
         wrapper = self._scheduled_wrapper(geometry)
         layout = self._layouts.get(geometry)

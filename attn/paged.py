@@ -68,7 +68,7 @@ class PagedMLABackend:
     max_decode_q_len: Optional[int] = None  # query tokens per request the decode kernel takes (None: any)
     required_sm: Optional[tuple[int, ...]] = None  # compute-capability majors the kernel runs on
     page_sizes: Optional[tuple[int, ...]] = None  # None: any page size
-    kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp32", "fp8_e4m3")
+    kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
     table_tokens_multiple = 1  # block tables (max_context_len tokens wide) must span a multiple of this
     workspace_bytes = 0
 

@@ -132,7 +132,7 @@ def main() -> None:
         for bs in batch_sizes:
             prompts = torch.randint(0, vocab, (bs, args.prompt_len)).tolist()
             cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
-                             max_batch_size=bs, max_context_len=64 * ((args.prompt_len + max_new_tokens(args.steps) + 4 * args.steps + 64 + 63) // 64))
+                             max_batch_size=bs, max_context_len=128 * ((args.prompt_len + max_new_tokens(args.steps) + 4 * args.steps + 64 + 127) // 128))
             try:
                 row = run_one(target, backend, bs, cfg, prompts, args.steps)
             except torch.OutOfMemoryError:  # torch_ref gathers whole contexts per query token
@@ -153,7 +153,7 @@ def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
     from graphs.runner import GRAPH_KINDS, GraphRunner
 
     cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
-                     max_batch_size=max_bs, max_context_len=64 * ((prompt_len + 256) // 64))
+                     max_batch_size=max_bs, max_context_len=128 * ((prompt_len + 256 + 127) // 128))
     worker = EagleWorker(target, StandaloneDraft(target), cfg)
     gc.collect()
     torch.cuda.empty_cache()

@@ -85,7 +85,8 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
     """Decode prompts target-only (greedy) and with spec decoding, each after a warm-up and then
     ``args.repeats`` times (tokens/s of the fastest run); both with CUDA graphs when asked (the
     baseline captures one decode step)."""
-    context = 64 * ((max(map(len, prompts)) + args.max_new_tokens + 4 * args.num_steps * max(args.topk, 2) + 63) // 64)
+    # Whole 128-token blocks: every backend's table width (cutedsl_mla's needs them).
+    context = 128 * ((max(map(len, prompts)) + args.max_new_tokens + 4 * args.num_steps * max(args.topk, 2) + 127) // 128)
     cfg = SpecConfig(
         num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, attention_backend=backend,
         page_size=64 if device.type == "cuda" else 16, max_batch_size=len(prompts), max_context_len=context,

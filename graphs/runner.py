@@ -129,9 +129,11 @@ class GraphRunner:
             raise ValueError(f"backends {unsupported} cannot be captured in CUDA graphs; "
                              "disable cuda graphs or pick triton_mla / flashinfer_mla / torch_ref / a Blackwell backend")
         self.host_planned = any(b.needs_cpu_seq_lens for b in backends)
-        max_bs = self.buckets[-1]
+        # The backends' static metadata holds every batch the worker admits: an eager_fallback batch
+        # above the largest bucket builds its metadata there too.
         for backend in backends:
-            backend.init_cuda_graph_state(max_bs, max_bs * cfg.num_draft_tokens)
+            backend.init_cuda_graph_state(cfg.max_batch_size, cfg.max_batch_size * cfg.num_draft_tokens)
+        max_bs = self.buckets[-1]
         st = worker.state_template(max_bs)
         self.static = StaticInputs({
             "target_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=worker.device),
@@ -223,11 +225,8 @@ class GraphRunner:
         when eager_fallback allows an oversized batch."""
         b = target_rows.shape[0]
         bucket = pick_bucket(self.buckets, b)
-        if bucket is None:
-            if self.eager_fallback:
-                return None
-            raise ValueError(f"batch of {b} exceeds the largest CUDA-graph bucket {self.buckets[-1]}; "
-                             "add a larger bucket to cuda_graph_batch_sizes or enable eager_fallback")
+        if bucket is None:  # above the largest bucket: only with eager_fallback (checked at construction)
+            return None
         resident = self._resident
         if resident is None or resident[0] is not state or resident[1] is not target_rows or resident[2] is not draft_rows:
             self.static.fill({"target_rows": target_rows, "draft_rows": draft_rows, **vars(state)}, bucket)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,7 +21,7 @@ DRAFT_MODES = ("eagle", "standalone")
 
 
 def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an int, got {value!r}")
 
 
@@ -61,6 +62,7 @@ class SpecConfig:
     enable_sampling: bool = False
 
     def __post_init__(self) -> None:
+        self._check_ints()
         if self.num_draft_tokens is None and self.topk == 1:
             self.num_draft_tokens = self.num_steps + 1
         self.validate()
@@ -86,11 +88,7 @@ class SpecConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid setting. EagleWorker validates again, so a
         config changed after construction is checked too."""
-        for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len"):
-            _check_int(name, getattr(self, name))
-        for name in ("num_draft_tokens", "num_pages"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name))
+        self._check_ints()
         if self.num_steps < 1:
             raise ConfigError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.topk < 1:
@@ -140,6 +138,13 @@ class SpecConfig:
             raise ConfigError(f"num_pages must be at least 2 (page 0 is the padding sink), got {self.num_pages}")
         if any(bs < 1 or bs > self.max_batch_size for bs in self.cuda_graph_batch_sizes):
             raise ConfigError(f"cuda_graph_batch_sizes must lie in [1, max_batch_size={self.max_batch_size}], got {self.cuda_graph_batch_sizes}")
+
+    def _check_ints(self) -> None:
+        for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len"):
+            _check_int(name, getattr(self, name))
+        for name in ("num_draft_tokens", "num_pages"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
 
     @property
     def max_tree_candidates(self) -> int:

@@ -34,6 +34,8 @@ from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_li
 
 def _index(rule: str, value: object) -> int:
     """value as an int (numpy integers included); else a ValueError stating ``rule``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{rule}, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
@@ -79,9 +81,9 @@ class EagleWorker:
             self.draft_prefill_backend = classes["prefill"](dview, draft.attn_spec(), bs, steps + 1)
             self.draft_extend_backend = classes["draft_extend"](dview, draft.attn_spec(), bs, steps + 1)
         except ValueError as err:
-            raise ConfigError(f"{err} (query tokens per request: verify {ndt} = num_draft_tokens, draft steps {topk} "
-                              f"= topk, draft-extend {steps + 1} = num_steps + 1; batches up to max_batch_size={bs})"
-                              ) from None
+            raise ConfigError(f"{err} (this worker's passes: verify {ndt} query tokens a request = num_draft_tokens, "
+                              f"draft steps {topk} = topk, draft-extend {steps + 1} = num_steps + 1; batches up to "
+                              f"max_batch_size={bs})") from err
         self.requests: list[Request] = []
         self.state: Optional[DecodeState] = None
         self.last_tree: Optional[VerifyTree] = None  # the tree verified by the last step, for inspection
@@ -522,8 +524,8 @@ class EagleWorker:
         stops); then the host bookkeeping, and finished requests leave."""
         if result is not self._in_flight:
             raise RuntimeError("finish_step takes the result of the step in flight (what launch_step returned)")
-        self._in_flight = None
         packed = self._emitted.wait()  # [B, num_steps + 4]: result.emitted, accept_len, take, done
+        self._in_flight = None  # after the wait: an interrupted wait may be retried
         accept_len, take, done = packed[:, -3:].T
         h = self._batch_host()
         h.seq_len += take  # all accept_len + 1 for each request that stays: only finishing ones are cut

@@ -200,6 +200,18 @@ def test_graphed_target_only_decoding_equals_eager(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch_ref", "triton_mla"])
+def test_batches_above_the_largest_bucket_run_eagerly_with_eager_fallback(backend):
+    target, worker = gpu_worker(backend, max_bs=4)
+    with pytest.raises(ValueError, match="eager_fallback"):
+        GraphRunner(worker, [1, 2], progress=False)
+    GraphRunner(worker, [1, 2], eager_fallback=True, progress=False)
+    groups = [(prompts(3, seed=8), 24), (prompts(1, seed=9), 12)]
+    outputs, _ = run_to_completion(worker, groups, join_every=3)
+    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
     """triton_mla on SM90 over 64-token pages: a 16-head verify of 4 tokens plans the narrow Triton
     tile up to 2k kv rows and the wgmma tile past it (contexts of 4k), so the runner captures the

@@ -3,6 +3,7 @@
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,7 @@ def test_config_errors_name_the_setting():
         (dict(draft_mode="medusa"), "draft_mode"),
         (dict(attention_backend="trtllm_mla", page_size=64, topk=2, num_draft_tokens=4), "tree mask"),
         (dict(num_steps=2.5), "num_steps must be an int"),
+        (dict(num_steps="3"), "num_steps must be an int"),
         (dict(max_context_len=0), "max_context_len"),
         (dict(max_context_len=16, page_size=16, num_steps=20), "max_context_len .16. leaves no room"),
         (dict(max_batch_size=2**20, max_context_len=4096), "2\\*\\*31"),
@@ -99,7 +101,7 @@ def test_config_copies_derive_their_own_pages_and_workers_revalidate():
 
     from specdec.worker import EagleWorker
 
-    small = SpecConfig(max_batch_size=2, max_context_len=64)
+    small = SpecConfig(max_batch_size=np.int64(2), max_context_len=64)  # numpy ints are ints
     big = dataclasses.replace(small, max_batch_size=8, max_context_len=256)
     assert (small.pool_pages, big.pool_pages) == (2 * 4 + 1, 8 * 16 + 1)
     small.max_batch_size = 0  # changed after construction: the worker validates it again

@@ -15,15 +15,26 @@ from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, prompts, reference, run_to_completion, tiny_config
 
 
+def free_pages(worker) -> tuple[int, int]:
+    """Free pages of the target and the draft pool."""
+    return worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+
+
+def drain(worker) -> None:
+    """Step until every request has finished."""
+    while worker.requests:
+        worker.step()
+
+
 @pytest.mark.parametrize("topk,num_steps,ndt", [(1, 1, 2), (1, 3, 4), (1, 5, 6), (2, 3, 6), (4, 2, 8), (3, 4, 10)])
 def test_eagle_lossless_with_joins_and_finishes(target, mtp, topk, num_steps, ndt):
     groups = [(prompts(3, seed=topk * 10 + num_steps), 12), (prompts(2, seed=99), 7)]
     cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, max_batch_size=6, max_context_len=128)
     worker = EagleWorker(target, mtp, cfg)
-    free_before = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    free_before = free_pages(worker)
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups)
-    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free_before
+    assert free_pages(worker) == free_before
 
 
 def longest_matching_path(tree_tokens, parents, continuation) -> int:
@@ -76,13 +87,13 @@ def test_eos_and_max_new_tokens_end_requests_mid_step(target):
     assert any(len(w) < max_new for w in want) and any(len(w) == max_new for w in want)
     cfg = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4, draft_mode="standalone", max_batch_size=4, max_context_len=128)
     worker = EagleWorker(target, StandaloneDraft(target), cfg)
-    free_before = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    free_before = free_pages(worker)
     reqs = worker.add_requests(group, max_new, eos_token_id=eos)
     while worker.requests:
         stats = worker.step()
         assert stats.accept_lens and all(n == 3 for n in stats.accept_lens)
     assert [r.output for r in reqs] == want and all(r.finished for r in reqs)
-    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free_before
+    assert free_pages(worker) == free_before
 
 
 def test_standalone_draft_lossless(target):
@@ -98,26 +109,26 @@ def test_bad_requests_leave_running_state_intact(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=3, max_context_len=64))
     group = prompts(2, seed=11)
     reqs = worker.add_requests(group, 8)
-    free = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    free = free_pages(worker)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=96\); got \[96\]"):
         worker.add_requests([[1, 2, VOCAB]], 4)
     with pytest.raises(ValueError, match="max_context_len"):
         worker.add_requests([[1] * 60], 4)
     with pytest.raises(ValueError, match="max_batch_size"):
         worker.add_requests([[1], [2]], 4)
-    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free
+    assert free_pages(worker) == free
     assert len(worker.requests) == 2
-    while worker.requests:
-        worker.step()
+    drain(worker)
     assert [r.output for r in reqs] == greedy_generate(target, group, 8)
 
 
 def test_more_bad_inputs_are_refused_up_front(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=3, max_context_len=64))
-    free = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    free = free_pages(worker)
     for args, kwargs, needle in [
         (([[1, 2]], 0), {}, "max_new_tokens must be >= 1"),
         (([[1, 2]], 3.5), {}, "max_new_tokens must be an int"),
+        (([[1, 2]], True), {}, "max_new_tokens must be an int"),
         (([[1.5, 2.0]], 4), {}, "prompt tokens must be ints"),
         (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
         (([[1, 2]], 4), dict(eos_token_id=2**63), "token ids must lie in"),
@@ -125,11 +136,10 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
         with pytest.raises(ValueError, match=needle):
             worker.add_requests(*args, **kwargs)
     assert worker.add_requests([], 4) == [] and not worker.requests
-    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free
+    assert free_pages(worker) == free
     group = [np.array(p) for p in prompts(2, seed=12)]  # numpy ids are ints too
     reqs = worker.add_requests(group, 6)
-    while worker.requests:
-        worker.step()
+    drain(worker)
     assert [r.output for r in reqs] == greedy_generate(target, [p.tolist() for p in group], 6)
 
 
@@ -139,17 +149,16 @@ def test_a_failed_prefill_releases_the_new_requests(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
     group = prompts(2, seed=13)
     reqs = worker.add_requests(group, 8)
-    free = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    free = free_pages(worker)
     forward = worker._forward
     worker._forward = lambda *args: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("simulated"))
     with pytest.raises(torch.cuda.OutOfMemoryError):
         worker.add_requests(prompts(2, seed=14), 8)
     worker._forward = forward
-    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free
+    assert free_pages(worker) == free
     assert worker.requests == reqs
     more = worker.add_requests(prompts(2, seed=14), 8)  # the rows came back: room for two more
-    while worker.requests:
-        worker.step()
+    drain(worker)
     assert [r.output for r in reqs + more] == greedy_generate(target, group + prompts(2, seed=14), 8)
 
 
@@ -163,17 +172,21 @@ def test_nothing_changes_the_batch_while_a_step_is_in_flight(target, mtp):
             call()
     with pytest.raises(RuntimeError, match="result of the step in flight"):
         worker.finish_step(object())
+    wait = worker._emitted.wait
+    worker._emitted.wait = lambda: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):  # an interrupted wait: finish_step may be called again
+        worker.finish_step(result)
+    worker._emitted.wait = wait
     worker.finish_step(result)
     with pytest.raises(RuntimeError, match="result of the step in flight"):
         worker.finish_step(result)  # taken once
-    while worker.requests:
-        worker.step()
+    drain(worker)
     assert [r.output for r in reqs] == greedy_generate(target, group, 10)
 
 
 def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
-    free = worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+    free = free_pages(worker)
     group = prompts(3, seed=16)
     reqs = worker.add_requests(group, 12)
     worker.step()
@@ -181,12 +194,11 @@ def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     worker.abort([reqs[1]])
     worker.abort([reqs[1]])  # no longer running: nothing to do
     assert reqs[1].finished and reqs[1].output == emitted and worker.requests == [reqs[0], reqs[2]]
-    while worker.requests:
-        worker.step()
+    drain(worker)
     expected = greedy_generate(target, group, 12)
     assert [reqs[0].output, reqs[2].output] == [expected[0], expected[2]]
     assert emitted == expected[1][: len(emitted)]
-    assert (worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages) == free
+    assert free_pages(worker) == free
 
 
 def test_out_of_pages_mid_run_recovers_by_abort(target, mtp):
@@ -199,10 +211,9 @@ def test_out_of_pages_mid_run_recovers_by_abort(target, mtp):
         while worker.requests:
             worker.step()
     worker.abort([reqs[0]])
-    while worker.requests:
-        worker.step()
+    drain(worker)
     assert reqs[1].output == greedy_generate(target, group[1:], 80)[0]
-    assert worker.target_pool.num_free_pages == worker.draft_pool.num_free_pages == 8
+    assert free_pages(worker) == (8, 8)
 
 
 def test_unknown_backend_is_a_config_error():
