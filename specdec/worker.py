@@ -113,7 +113,7 @@ class EagleWorker:
         is in flight (between launch_step and finish_step).
         """
         self._check_idle("add_requests")
-        if not prompts:
+        if len(prompts) == 0:  # (a numpy array of prompts has no truth value)
             return []
         cfg = self.config
         max_new_tokens = _index("max_new_tokens must be an int", max_new_tokens)

@@ -138,6 +138,7 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
     assert worker.add_requests([], 4) == [] and not worker.requests
     assert free_pages(worker) == free
     group = [np.array(p) for p in prompts(2, seed=12)]  # numpy ids are ints too
+    assert worker.add_requests(np.zeros((0, 3), dtype=np.int64), 4) == []
     reqs = worker.add_requests(group, 6)
     drain(worker)
     assert [r.output for r in reqs] == greedy_generate(target, [p.tolist() for p in group], 6)
