@@ -111,6 +111,7 @@ class SpecConfig:
             raise ConfigError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be 'auto' or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        given_page_size = self.page_size
         try:
             choice = self.backends
             self.page_size = check_page_size(choice, self.page_size)
@@ -120,8 +121,9 @@ class SpecConfig:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if self.page_size < 1 or self.max_context_len < 1 or self.max_context_len % self.page_size:
-            raise ConfigError(f"page_size ({self.page_size}) must divide max_context_len ({self.max_context_len}), "
-                              "both >= 1")
+            adjusted = f", the backends' for the {given_page_size} given" if given_page_size != self.page_size else ""
+            raise ConfigError(f"page_size ({self.page_size}{adjusted}) must divide max_context_len "
+                              f"({self.max_context_len}), both >= 1")
         try:
             check_context_len(choice, self.max_context_len)
         except ValueError as err:

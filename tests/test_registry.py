@@ -110,6 +110,8 @@ def test_config_copies_derive_their_own_pages_and_workers_revalidate():
 
 
 def test_config_page_size_adjusted_for_blackwell():
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match=r"page_size \(64, the backends' for the 16 given\)"):
+        SpecConfig(attention_backend="trtllm_mla", page_size=16, max_context_len=96)
     with pytest.warns(UserWarning):
         cfg = SpecConfig(attention_backend="trtllm_mla", page_size=16, max_context_len=512)
     assert cfg.page_size == 64 and cfg.pool_pages == cfg.max_batch_size * 8 + 1
