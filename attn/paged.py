@@ -42,7 +42,7 @@ class PagedMetadata:
 
 @dataclass
 class GraphBuffers:
-    """The static inputs a captured pass reads, sized for the largest graph: block_tables
+    """The static inputs a captured pass reads, sized for max_batch_size (graph captures, and eager passes above the largest bucket): block_tables
     ``[max_bs, max_pages]`` int32, seq_lens ``[max_bs]`` int32, cu_seqlens_q ``[max_bs + 1]`` int32."""
 
     block_tables: torch.Tensor

@@ -20,9 +20,11 @@ class ConfigError(ValueError):
 DRAFT_MODES = ("eagle", "standalone")
 
 
-def _check_int(name: str, value: object) -> None:
+def _check_int(name: str, value: object) -> int:
+    """value as a Python int (numpy ints would wrap in size products and lack int methods)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an int, got {value!r}")
+    return int(value)
 
 
 @dataclass
@@ -143,10 +145,10 @@ class SpecConfig:
 
     def _check_ints(self) -> None:
         for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len"):
-            _check_int(name, getattr(self, name))
+            setattr(self, name, _check_int(name, getattr(self, name)))
         for name in ("num_draft_tokens", "num_pages"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name))
+                setattr(self, name, _check_int(name, getattr(self, name)))
 
     @property
     def max_tree_candidates(self) -> int:

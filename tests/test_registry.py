@@ -101,7 +101,10 @@ def test_config_copies_derive_their_own_pages_and_workers_revalidate():
 
     from specdec.worker import EagleWorker
 
-    small = SpecConfig(max_batch_size=np.int64(2), max_context_len=64)  # numpy ints are ints
+    small = SpecConfig(max_batch_size=np.int64(2), max_context_len=64, page_size=np.int64(16))  # numpy ints are ints
+    assert type(small.page_size) is int and type(small.max_batch_size) is int
+    with pytest.raises(ConfigError, match="2\\*\\*31"):  # no int32 wrap-around
+        SpecConfig(max_batch_size=np.int32(2**20), max_context_len=np.int32(4096))
     big = dataclasses.replace(small, max_batch_size=8, max_context_len=256)
     assert (small.pool_pages, big.pool_pages) == (2 * 4 + 1, 8 * 16 + 1)
     small.max_batch_size = 0  # changed after construction: the worker validates it again
