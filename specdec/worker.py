@@ -269,13 +269,18 @@ class EagleWorker:
         Requests already finished are left as they are. Not while a step is in flight."""
         self._check_idle("abort")
         stop = {id(r) for r in requests}
-        keep = [i for i, r in enumerate(self.requests) if id(r) not in stop]
-        if len(keep) == len(self.requests):
+        self._finish_rows([i for i, r in enumerate(self.requests) if id(r) in stop])
+
+    def _finish_rows(self, rows: list[int]) -> None:
+        """The running requests at ``rows`` finish: their pages and rows return, and the batch and
+        its device state keep the others."""
+        if not rows:
             return
-        for req in self.requests:
-            if id(req) in stop:
-                req.finished = True
-                self._release(req)
+        for i in rows:
+            self.requests[i].finished = True
+            self._release(self.requests[i])
+        leaving = set(rows)
+        keep = [i for i in range(len(self.requests)) if i not in leaving]
         self.requests = [self.requests[i] for i in keep]
         self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
         self._batch = None
@@ -531,12 +536,5 @@ class EagleWorker:
         h.seq_len += take  # all accept_len + 1 for each request that stays: only finishing ones are cut
         for out, row, k in zip(h.outputs, packed.tolist(), take.tolist()):
             out += row[:k]  # k <= num_steps + 1: emitted tokens only
-        if done.any():
-            keep = np.flatnonzero(done == 0).tolist()
-            for i in np.flatnonzero(done).tolist():
-                self.requests[i].finished = True
-                self._release(self.requests[i])
-            self.requests = [self.requests[i] for i in keep]
-            self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
-            self._batch = None
+        self._finish_rows(np.flatnonzero(done).tolist())
         return StepStats(accept_len.tolist(), int(take.sum()))
