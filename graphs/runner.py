@@ -116,7 +116,6 @@ class GraphRunner:
         self.worker = weakref.proxy(worker)
         cfg = worker.config
         self.buckets = sorted(set(batch_sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))
-        self.eager_fallback = eager_fallback
         if self.buckets[0] < 1 or self.buckets[-1] > cfg.max_batch_size:
             raise ValueError(f"CUDA-graph batch sizes must lie in [1, max_batch_size={cfg.max_batch_size}], got {self.buckets}")
         if self.buckets[-1] < cfg.max_batch_size and not eager_fallback:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,11 +20,22 @@ class ConfigError(ValueError):
 DRAFT_MODES = ("eagle", "standalone")
 
 
+def as_int(value: object) -> Optional[int]:
+    """value as a Python int where it is an integer (numpy integers included, bools not), else None.
+    Python ints because numpy ones would wrap in size products and lack int methods."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(operator.index(value))
+    except TypeError:
+        return None
+
+
 def _check_int(name: str, value: object) -> int:
-    """value as a Python int (numpy ints would wrap in size products and lack int methods)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    checked = as_int(value)
+    if checked is None:
         raise ConfigError(f"{name} must be an int, got {value!r}")
-    return int(value)
+    return checked
 
 
 @dataclass

@@ -14,18 +14,14 @@ request's stream is reproducible, independent of batch composition, and needs no
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from specdec.config import as_int
 from specdec.tree import VerifyTree
 from specdec.verify import AcceptResult, path_and_emitted
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -42,9 +38,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if as_int(self.top_k) is None or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if not _is_int(self.seed) or not -2**63 <= self.seed < 2**63:
+        if as_int(self.seed) is None or not -2**63 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int64, got {self.seed!r}")
 
 

@@ -11,7 +11,6 @@ bookkeeping overlaps that last pass.
 
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import numpy as np
@@ -22,7 +21,7 @@ from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_batch, host_to_device, ragged_arange, uniform_batch
-from specdec.config import ConfigError, SpecConfig
+from specdec.config import ConfigError, SpecConfig, as_int
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
@@ -33,13 +32,11 @@ from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_li
 
 
 def _index(rule: str, value: object) -> int:
-    """value as an int (numpy integers included); else a ValueError stating ``rule``."""
-    if isinstance(value, bool):
+    """value as an int (config.as_int); else a ValueError stating ``rule``."""
+    checked = as_int(value)
+    if checked is None:
         raise ValueError(f"{rule}, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{rule}, got {value!r}") from None
+    return checked
 
 
 GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
