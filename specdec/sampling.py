@@ -14,6 +14,7 @@ request's stream is reproducible, independent of batch composition, and needs no
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +27,8 @@ from specdec.verify import AcceptResult, path_and_emitted
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_p in (0, 1]; top_k 0 disables; seed picks the random stream."""
+    """temperature 0 is greedy; top_p in (0, 1] (1 disables it); top_k 0 disables it; seed picks the
+    random stream (seeds equal modulo 2**62 share one: hash_uniform keeps 62 bits)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -34,30 +36,41 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if as_int(self.top_k) is None or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if as_int(self.top_k) is None or not 0 <= self.top_k < 2**63:
+            raise ValueError(f"top_k must be an int64 >= 0 (0 disables it), got {self.top_k!r}")
         if as_int(self.seed) is None or not -2**63 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int64, got {self.seed!r}")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """The distribution each request samples from. logits ``[N, V]``; per-row parameters ``[N]``.
 
-    Temperature 0 gives a one-hot argmax. Returns ``[N, V]`` fp32.
+    Temperature 0 gives a one-hot of the first maximum (torch.argmax's, as target-only greedy
+    decoding picks). Returns ``[N, V]`` fp32.
     """
     logits = logits.float()
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    # Shifted by the row maximum first: a tiny temperature then sends the rest to -inf, never the
+    # maximum to inf (which made the row NaN).
+    scaled = (logits - logits.amax(-1, keepdim=True)) / torch.where(greedy, 1.0, temperature)[:, None]
+    # Stable: tied logits keep index order, so rank 0 is argmax's choice.
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, logits.shape[-1])
     drop = ranks >= k[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
+    # Keep the smallest prefix reaching top_p, and at least the first token. Only where top_p < 1:
+    # the fp32 running sum reaches 1 before the tail, which top_p = 1 must keep.
+    beyond_p = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+    drop |= beyond_p & (top_p < 1)[:, None] & (ranks > 0)
     drop |= greedy[:, None] & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)

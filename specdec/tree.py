@@ -25,8 +25,8 @@ def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor]
     logits ``[N, V]``, temperature ``[N]`` -> (probs ``[N, k]`` fp32, ids ``[N, k]`` int64).
     """
     logits = logits.float()
-    if temperature is not None:
-        logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if temperature is not None:  # shifted by the row maximum first, so a tiny temperature cannot overflow
+        logits = (logits - logits.amax(-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)[:, None]
     return torch.softmax(logits, dim=-1).topk(k, dim=-1)
 
 

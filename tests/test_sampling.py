@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec.sampling import SamplingParams, hash_uniform, target_probs, tree_rejection_sample
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, topk_probs
 from specdec.verify import greedy_accept
 
 N = 40_000  # samples, one batch row each; TV bound below is ~6 standard errors
@@ -66,6 +66,38 @@ def test_top_k_top_p_temperature():
     torch.testing.assert_close(probs[2], torch.softmax(torch.tensor([1.5, 1.0, 0.5, 0.0]), -1))
 
 
+def test_greedy_rows_pick_the_first_of_tied_maxima_as_argmax_does():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(500, 97, generator=g)
+    top = logits.argmax(-1)
+    twin = (top + 1 + torch.randint(0, 96, (500,), generator=g)) % 97  # another column, before or after
+    logits[torch.arange(500), twin] = logits[torch.arange(500), top]
+    zeros = torch.zeros(500)
+    probs = target_probs(logits, zeros, torch.ones(500), torch.zeros(500, dtype=torch.long))
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal(probs.max(-1).values, torch.ones(500))
+
+
+def test_tiny_temperatures_and_top_p_stay_finite():
+    """A temperature that overflows logits / T, and a top_p that rounds to 0 in fp32, still give
+    the greedy token (they used to give NaN rows, sampled as the last token)."""
+    logits = torch.tensor([[3.0, 9.0, -2.0, 1.0]]).expand(4, -1)
+    probs = target_probs(logits, torch.tensor([1e-39, 1e-44, 1.0, 1e-30]), torch.tensor([1.0, 1.0, 1e-46, 1.0]),
+                         torch.zeros(4, dtype=torch.long))
+    assert torch.equal(probs, torch.eye(4)[1].expand(4, -1))
+    _, ids = topk_probs(logits, 2, torch.tensor([1e-39, 1e-44, 1.0, 1e-30]))
+    assert ids[:, 0].tolist() == [1, 1, 1, 1]
+
+
+def test_top_p_one_keeps_the_whole_vocabulary():
+    """fp32's running sum reaches 1 before a long tail ends: top_p = 1 must not cut it there."""
+    logits = torch.randn(8, 129280, generator=torch.Generator().manual_seed(0)) * 3
+    ones = torch.ones(8)
+    probs = target_probs(logits, ones, ones, torch.zeros(8, dtype=torch.long))
+    assert (probs > 0).all()
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+
+
 def test_hash_uniform_is_uniform_and_reproducible():
     seeds = torch.arange(50_000)
     u = hash_uniform(seeds, torch.full_like(seeds, 7), 3)
@@ -77,7 +109,8 @@ def test_hash_uniform_is_uniform_and_reproducible():
 
 def test_bad_sampling_params():
     for kw in (dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0),
-               dict(top_p=float("nan")), dict(top_k=-2), dict(top_k=1.5), dict(seed=2**63), dict(seed=0.5)):
+               dict(top_p=float("nan")), dict(top_k=-2), dict(top_k=1.5), dict(top_k=2**64), dict(seed=2**63), dict(seed=0.5), dict(temperature=True),
+               dict(top_p="1")):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
 

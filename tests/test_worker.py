@@ -220,3 +220,20 @@ def test_out_of_pages_mid_run_recovers_by_abort(target, mtp):
 def test_unknown_backend_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown attention backend 'flashmla'"):
         SpecConfig(attention_backend="flashmla")
+
+
+@pytest.mark.parametrize("enable_sampling", [False, True])
+def test_lossless_when_the_target_ties_its_top_logits(enable_sampling):
+    """Every upper-half vocab row of lm_head copies a lower-half one, so every maximum logit is
+    tied: greedy requests must still take argmax's choice, the first of the tied tokens."""
+    from spec_helpers import make_models
+
+    target, mtp = make_models()
+    with torch.no_grad():
+        target.lm_head.weight[VOCAB // 2:2 * (VOCAB // 2)] = target.lm_head.weight[:VOCAB // 2]
+    groups = [(prompts(6, seed=3), 8)]
+    cfg = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, enable_sampling=enable_sampling, max_batch_size=6,
+                     max_context_len=64)
+    outputs, _ = run_to_completion(EagleWorker(target, mtp, cfg), groups)
+    assert outputs == reference(target, groups)
+    assert all(token < VOCAB // 2 for output in outputs for token in output)
