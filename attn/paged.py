@@ -112,6 +112,8 @@ class PagedMLABackend:
         if bs > self.max_batch_size or shapes != ((bs,), (bs,), (bs + 1,)):
             raise ValueError(f"{self.name}: a batch of {bs} (at most max_batch_size={self.max_batch_size}) needs "
                              f"req_pool_indices and seq_lens [{bs}] and cu_seqlens_q [{bs + 1}], got {shapes}")
+        if batch.max_kv_len is not None and not (isinstance(batch.max_kv_len, int) and batch.max_kv_len >= 1):
+            raise ValueError(f"{self.name}: max_kv_len must be None or an int >= 1, got {batch.max_kv_len!r}")
         tables = shared_block_tables
         if tables is None:
             tables = (self.kv.req_to_token[batch.req_pool_indices][:, :: self.page_size] // self.page_size).int()
@@ -148,19 +150,8 @@ class PagedMLABackend:
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
-        # Every check before the cache write: a refused pass leaves the cache as it was.
+        self._check_pass(q, kv_new, batch)
         md = self.metadata
-        if md is None:
-            raise RuntimeError(f"{self.name}: init_forward_metadata was not called before forward")
-        if batch.custom_mask is not None and not self.supports_tree_mask:
-            raise ValueError(f"{self.name} cannot attend with a tree mask; use topk=1 or a tree-mask backend")
-        if not batch.uniform_q_len and (batch.mode is not ForwardMode.EXTEND or not self.supports_prefill):
-            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND)")
-        if batch.uniform_q_len and q.shape[0] != batch.batch_size * batch.max_q_len:
-            raise ValueError(f"{self.name}: {batch.batch_size} requests of {batch.max_q_len} query tokens need "
-                             f"{batch.batch_size * batch.max_q_len} query rows, got {q.shape[0]}")
-        if kv_new.shape[0] != batch.out_cache_loc.shape[0]:
-            raise ValueError(f"{self.name}: {kv_new.shape[0]} new kv rows for {batch.out_cache_loc.shape[0]} cache slots")
         cache = self.kv.kv_buffers[layer_id]
         self._write_kv(cache, kv_new, batch.out_cache_loc)
         if batch.uniform_q_len:
@@ -170,6 +161,37 @@ class PagedMLABackend:
             )
             return out.reshape(q.shape[0], q.shape[1], KV_LORA_RANK)
         return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
+
+    def _check_pass(self, q: torch.Tensor, kv_new: torch.Tensor, batch: AttnBatch) -> None:
+        """What forward can check on the host, all before its cache write, so that a refused pass
+        leaves the cache as it was. The device metadata (cu_seqlens_q[-1] == the token count,
+        q_lens <= max_q_len) is not checked: that would sync."""
+        if self.metadata is None:
+            raise RuntimeError(f"{self.name}: init_forward_metadata was not called before forward")
+        heads, tokens = self.layer.num_heads, batch.num_tokens
+        if q.dim() != 3 or tuple(q.shape[1:]) != (heads, KV_DIM):
+            raise ValueError(f"{self.name}: q must be [tokens, {heads}, {KV_DIM}], got {tuple(q.shape)}")
+        if q.shape[0] != tokens or tuple(kv_new.shape) != (tokens, KV_DIM):
+            raise ValueError(f"{self.name}: a pass of {tokens} new tokens (out_cache_loc) needs {tokens} query rows "
+                             f"and kv rows [{tokens}, {KV_DIM}], got {q.shape[0]} and {tuple(kv_new.shape)}")
+        if not batch.uniform_q_len and (batch.mode is not ForwardMode.EXTEND or not self.supports_prefill):
+            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND)")
+        if batch.uniform_q_len and tokens != batch.batch_size * batch.max_q_len:
+            raise ValueError(f"{self.name}: {batch.batch_size} requests of {batch.max_q_len} query tokens need "
+                             f"{batch.batch_size * batch.max_q_len} query rows, got {tokens}")
+        mask = batch.custom_mask
+        if mask is None:
+            return
+        if not self.supports_tree_mask:
+            raise ValueError(f"{self.name} cannot attend with a tree mask; use topk=1 or a tree-mask backend")
+        if not batch.uniform_q_len:
+            raise ValueError(f"{self.name}: a tree mask needs a pass of uniform query lengths (verify, draft steps)")
+        expected = (batch.batch_size, batch.max_q_len)
+        if mask.dtype != torch.bool or mask.dim() != 3 or tuple(mask.shape[:2]) != expected or mask.shape[2] < 1:
+            raise ValueError(f"{self.name}: the tree mask must be [{expected[0]}, {expected[1]}, M >= 1] bool, "
+                             f"got {tuple(mask.shape)} {mask.dtype}")
+        if mask.device != q.device:
+            raise ValueError(f"{self.name}: the tree mask is on {mask.device}, the query on {q.device}")
 
     def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:
         if cache.dtype == torch.float8_e4m3fn:

@@ -16,10 +16,11 @@ from attn.base import KV_DIM, KV_LORA_RANK
 def token_to_request(cu_seqlens_q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Map each packed query token to (request index, index within its request).
 
-    cu_seqlens_q: ``[B + 1]`` int32. Returns two ``[num_tokens]`` int64 tensors.
+    cu_seqlens_q: ``[B + 1]`` int32. Returns two ``[num_tokens]`` int64 tensors. Tokens from
+    cu_seqlens_q[B] on (padding) count as the last request's, past its query tokens.
     """
     tokens = torch.arange(num_tokens, device=cu_seqlens_q.device)
-    req = torch.searchsorted(cu_seqlens_q[1:].long(), tokens, right=True)
+    req = torch.searchsorted(cu_seqlens_q[1:].long(), tokens, right=True).clamp(max=cu_seqlens_q.shape[0] - 2)
     return req, tokens - cu_seqlens_q.long()[req]
 
 
@@ -42,7 +43,8 @@ def paged_mla_reference(
     tokens; cu_seqlens_q: ``[B + 1]`` int32; custom_mask: ``[B, max_q_len, M]`` bool or None.
     Query i of request b sits at kv index ``seq_lens[b] - q_len_b + i`` and sees kv indices up to
     it (causal), or with a mask every index before ``seq_lens[b] - M`` plus the masked-in ones of
-    the last M. A query that sees nothing outputs 0. Returns ``[T, H, 512]`` in q's dtype.
+    the last M. A query that sees nothing outputs 0. Rows from cu_seqlens_q[B] on are padding:
+    0 in the result, left as they were in ``out``. Returns ``[T, H, 512]`` in q's dtype.
     """
     num_tokens, num_heads, dim = q.shape
     if dim != KV_DIM or kv_cache.shape[-1] != KV_DIM:
@@ -59,8 +61,9 @@ def paged_mla_reference(
     req, idx = token_to_request(cu_seqlens_q, num_tokens)
     seq_lens = seq_lens.long()
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    is_query = idx < q_lens[req]  # [T]: False for padding rows
     query_pos = seq_lens[req] - q_lens[req] + idx  # [T]
-    visible = offsets[None, :] < seq_lens[req][:, None]  # [T, max_kv]
+    visible = (offsets[None, :] < seq_lens[req][:, None]) & is_query[:, None]  # [T, max_kv]
     if custom_mask is None:
         visible &= offsets[None, :] <= query_pos[:, None]
     else:
@@ -68,7 +71,7 @@ def paged_mla_reference(
         region_start = seq_lens[req] - mask_len  # [T]
         rel = (offsets[None, :] - region_start[:, None]).clamp(0, mask_len - 1)
         in_region = offsets[None, :] >= region_start[:, None]
-        masked_in = torch.gather(custom_mask[req, idx], 1, rel)
+        masked_in = torch.gather(custom_mask[req, idx.clamp(max=custom_mask.shape[1] - 1)], 1, rel)
         visible &= ~in_region | masked_in
 
     kv_of_token = kv[req]  # [T, max_kv, 576]: fine for a reference, not for long contexts
@@ -78,5 +81,5 @@ def paged_mla_reference(
     result = torch.einsum("thk,tkd->thd", probs, kv_of_token[..., :KV_LORA_RANK]).to(q.dtype)
     if out is None:
         return result
-    out.copy_(result)
+    out.copy_(torch.where(is_query[:, None, None], result, out))
     return out

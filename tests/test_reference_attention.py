@@ -1,5 +1,7 @@
 """The vectorised reference against a per-request loop written from the definition."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,6 +58,27 @@ def test_ragged_and_empty_requests():
     torch.testing.assert_close(got, naive(q, kv_cache, block_tables, seq_lens, cu, 0.2), rtol=1e-5, atol=1e-5)
 
 
+def test_padding_rows_past_the_last_request_are_left_alone():
+    """Query rows from cu_seqlens_q[B] on belong to no request (the kernels' contract): 0 in a new
+    result, untouched in ``out``; the others as without them."""
+    g = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(8, 4, 576, generator=g)
+    block_tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    seq_lens = torch.tensor([3, 6], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    q = torch.randn(5, 2, 576, generator=g)
+    mask = torch.rand(2, 2, 3, generator=g) > 0.3
+    for custom_mask in (None, mask):
+        unpadded = paged_mla_reference(q[:3], kv_cache, block_tables, seq_lens, cu, 2, 0.2, custom_mask=custom_mask)
+        got = paged_mla_reference(q, kv_cache, block_tables, seq_lens, cu, 2, 0.2, custom_mask=custom_mask)
+        torch.testing.assert_close(got[:3], unpadded)
+        assert torch.equal(got[3:], torch.zeros(2, 2, 512))
+        out = torch.full((5, 2, 512), 7.0)
+        paged_mla_reference(q, kv_cache, block_tables, seq_lens, cu, 2, 0.2, custom_mask=custom_mask, out=out)
+        torch.testing.assert_close(out[:3], unpadded)
+        assert torch.equal(out[3:], torch.full((2, 2, 512), 7.0))
+
+
 def test_backend_writes_kv_then_attends():
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     row = pool.alloc_request()
@@ -88,10 +111,28 @@ def test_refused_passes_leave_the_cache_and_metadata_as_they_were():
         backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, batch)
     backend.init_forward_metadata(batch)
     metadata = backend.metadata
-    with pytest.raises(ValueError, match="need 2 query rows, got 3"):
+    with pytest.raises(ValueError, match="needs 2 query rows and kv rows"):
         backend.forward(torch.randn(3, 2, 576), torch.randn(2, 576), 0, batch)
-    with pytest.raises(ValueError, match="3 new kv rows for 2 cache slots"):
+    with pytest.raises(ValueError, match="needs 2 query rows and kv rows"):
         backend.forward(torch.randn(2, 2, 576), torch.randn(3, 576), 0, batch)
+    with pytest.raises(ValueError, match=r"q must be \[tokens, 2, 576\]"):
+        backend.forward(torch.randn(2, 2, 512), torch.randn(2, 576), 0, batch)
+    for mask in (torch.ones(1, 2, 4, dtype=torch.uint8), torch.ones(1, 1, 4, dtype=torch.bool),
+                 torch.ones(2, 2, 4, dtype=torch.bool), torch.ones(1, 2, 0, dtype=torch.bool)):
+        masked = dataclasses.replace(batch, custom_mask=mask)
+        with pytest.raises(ValueError, match="tree mask must be"):
+            backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, masked)
+    ragged = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([6], dtype=torch.int32), loc,
+                       torch.tensor([0, 2], dtype=torch.int32), 2, False, torch.ones(1, 2, 2, dtype=torch.bool))
+    backend.init_forward_metadata(ragged)
+    with pytest.raises(ValueError, match="needs a pass of uniform query lengths"):
+        backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, ragged)
+    with pytest.raises(ValueError, match="needs 2 query rows"):  # a ragged pass's rows are out_cache_loc's
+        backend.forward(torch.randn(1, 2, 576), torch.randn(2, 576), 0, dataclasses.replace(ragged, custom_mask=None))
+    backend.init_forward_metadata(batch)
+    metadata = backend.metadata
+    with pytest.raises(ValueError, match="max_kv_len must be None or an int >= 1"):
+        backend.init_forward_metadata(dataclasses.replace(batch, max_kv_len=0))
     three = AttnBatch(ForwardMode.TARGET_VERIFY, torch.tensor([row] * 3), torch.tensor([6] * 3, dtype=torch.int32),
                       loc, torch.tensor([0, 2, 4, 6], dtype=torch.int32), 2, True)
     with pytest.raises(ValueError, match="at most max_batch_size=2"):
