@@ -254,6 +254,14 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
     with pytest.raises(ValueError, match="kv_lora_rank"):
         load_deepseek(str(tmp_path), torch.float32)
 
+    # An FP8 weight whose scale was lost (no quantization_config left to refuse): its e4m3 codes
+    # would load as values.
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    save_file({**good, name: good[name].to(torch.float8_e4m3fn)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{name} is torch.float8_e4m3fn.*dequantise"):
+        load_deepseek(str(tmp_path), torch.float32)
+
 
 @pytest.mark.parametrize("field, value", [
     ("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("n_group", 3), ("topk_group", 5), ("num_experts_per_tok", 5),
@@ -301,8 +309,11 @@ def test_bf16_keeps_rope_frequencies_and_routing_bias_fp32():
     model = DeepseekV3ForCausalLM(cfg)
     inv_freq = model.rotary.inv_freq_bits.view(torch.float32).clone()
     cos = model.rotary(torch.tensor([1000]))[0]
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    bias.copy_(torch.arange(bias.numel()) * 1e-4)  # steps far below bf16 resolution near 1
     model.to(torch.bfloat16)
     assert torch.equal(model.rotary(torch.tensor([1000]))[0], cos)
+    assert torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias, torch.arange(bias.numel()) * 1e-4)
     built = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16)
     assert torch.equal(built.rotary.inv_freq_bits.view(torch.float32), inv_freq)
     assert built.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32

@@ -101,7 +101,8 @@ class DeepseekV3Config:
         _check(self.hidden_act == "silu", "hidden_act", "must be 'silu'", self.hidden_act)
         _check(not self.attention_bias, "attention_bias", "must be False (DeepSeek-V3 has no attention biases)", self.attention_bias)
         _check(self.quantization_config is None, "quantization_config",
-               "must be absent: dequantise FP8 checkpoints to bf16 before loading", self.quantization_config)
+               "must be absent: the loader takes 16/32-bit weights; dequantise an FP8 checkpoint to bf16 (e.g. "
+               "DeepSeek's fp8_cast_bf16.py) and delete quantization_config from its config.json", self.quantization_config)
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive", self.rms_norm_eps)
         _check(self.rope_theta > 0, "rope_theta", "must be positive", self.rope_theta)
         _check(self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers", "must be 0 or 1", self.num_nextn_predict_layers)

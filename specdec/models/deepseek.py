@@ -194,8 +194,15 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, **_factory(dtype, device)))
         nn.init.normal_(self.weight, std=0.02)
-        # fp32 as in the reference: bias steps are far below bf16 resolution at score ~1.
+        # fp32 as in the reference: bias steps are far below bf16 resolution at score ~1 (_apply).
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
+
+    def _apply(self, fn, recurse: bool = True):
+        """Module.to(dtype) and friends leave the bias fp32; only its device follows."""
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64)."""

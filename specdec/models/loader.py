@@ -148,6 +148,10 @@ def _copy_weights(own: dict[str, torch.Tensor], available: list[str], index: dic
             with safe_open(file, "pt") as f:
                 for name in names:
                     t = f.get_tensor(name)
+                    if not t.is_floating_point() or t.element_size() < 2:
+                        # copy_ would read e4m3 codes as values (a weight left quantised, its scale lost)
+                        raise CheckpointError(f"{where}: {name} is {t.dtype}; the loader takes 16/32-bit float "
+                                              "weights: dequantise FP8 checkpoints to bf16 first")
                     if t.shape != own[name].shape:
                         raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(own[name].shape)}")
                     own[name].copy_(t)
