@@ -118,11 +118,17 @@ class MLAKVPool:
             self._write_slots(writes)
 
     def trim(self, row: int, num_tokens: int) -> None:
-        """Return the pages of request ``row`` past position ``num_tokens`` (0 frees them all)."""
+        """Return the pages of request ``row`` past position ``num_tokens`` (0 frees them all).
+        Their positions point at page 0 again, so that a stray write through them cannot reach
+        the pages' next owner."""
         req = self._request(row)
         keep = -(-num_tokens // self.page_size)
-        while len(req.pages) > keep:
-            self._free_pages.append(req.pages.pop())
+        if len(req.pages) <= keep:
+            return
+        freed = req.pages[keep:]
+        del req.pages[keep:]
+        self._free_pages.extend(reversed(freed))
+        self.req_to_token[row, keep * self.page_size:(keep + len(freed)) * self.page_size] = PADDING_PAGE * self.page_size
         self.capacity[row] = len(req.pages) * self.page_size
 
     def free_request(self, row: int) -> None:

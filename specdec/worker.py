@@ -405,16 +405,29 @@ class EagleWorker:
             return
         for pool, rows, extra in ((self.target_pool, h.target_row, cfg.num_draft_tokens),
                                   (self.draft_pool, h.draft_row, self.draft_offset + cfg.draft_region_len)):
-            need = h.seq_len + extra
-            short = np.flatnonzero(need > pool.capacity[rows])
-            if short.size:
-                grow, need = rows[short].tolist(), need[short]
-                try:
-                    pool.ensure_capacity_many(
-                        grow, np.minimum(need + GROW_AHEAD_PAGES * pool.page_size, pool.max_context_len).tolist())
-                except OutOfPagesError:
-                    pool.ensure_capacity_many(grow, need.tolist())
+            self._grow(pool, rows, h.seq_len + extra)
         h.room = self._page_room(h)
+
+    @staticmethod
+    def _grow(pool: MLAKVPool, rows: np.ndarray, need: np.ndarray) -> None:
+        """Pages for every request (pool row ``rows[i]``) to hold ``need[i]`` tokens: GROW_AHEAD_PAGES
+        more while the pool has them, else exactly, else after taking back the pages other
+        requests hold past their own need (earlier grow-ahead); OutOfPagesError (nothing
+        changed but that) if even those are too few."""
+        short = np.flatnonzero(need > pool.capacity[rows])
+        if not short.size:
+            return
+        grow, exact = rows[short].tolist(), need[short].tolist()
+        ahead = np.minimum(need[short] + GROW_AHEAD_PAGES * pool.page_size, pool.max_context_len).tolist()
+        for attempt in (ahead, exact):
+            try:
+                pool.ensure_capacity_many(grow, attempt)
+                return
+            except OutOfPagesError:
+                pass
+        for row, tokens in zip(rows.tolist(), need.tolist()):
+            pool.trim(row, tokens)
+        pool.ensure_capacity_many(grow, exact)
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
@@ -485,8 +498,11 @@ class EagleWorker:
         if self.config.topk == 1:
             return
         r2t = self.target_pool.req_to_token
-        steps = torch.arange(result.path.shape[1], device=self.device)
-        src = r2t[rows[:, None], st.seq_lens[:, None] + result.path].flatten().long()
+        # accept_len < num_draft_tokens: the path's columns past that repeat its last node and
+        # would land past the request's pages (N + num_draft_tokens) where that is < num_steps + 1.
+        width = min(result.path.shape[1], self.config.num_draft_tokens)
+        steps = torch.arange(width, device=self.device)
+        src = r2t[rows[:, None], st.seq_lens[:, None] + result.path[:, :width]].flatten().long()
         dst = r2t[rows[:, None], st.seq_lens[:, None] + steps].flatten().long()
         for cache in self.target_pool.kv_buffers:
             flat = cache_rows(cache)

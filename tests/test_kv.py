@@ -82,3 +82,14 @@ def test_growth_inside_and_outside_inference_mode_writes_every_slot():
     expected = (pages[:, None] * 4 + torch.arange(4)).flatten()
     assert torch.equal(pool.req_to_token[row, :12], expected.int())
     assert len(set(pages.tolist())) == 3 and 0 not in pages.tolist()
+
+
+def test_returned_pages_positions_point_at_the_padding_page():
+    """A stray write through a trimmed or freed position must reach page 0, never the page's next owner."""
+    pool = make_pool()
+    a = pool.alloc_request()
+    pool.ensure_capacity(a, 12)
+    pool.trim(a, 5)
+    assert (pool.req_to_token[a, 8:12] == 0).all() and (pool.req_to_token[a, :8] // 4 > 0).all()
+    pool.free_request(a)
+    assert not pool.req_to_token[a].any()

@@ -237,3 +237,37 @@ def test_lossless_when_the_target_ties_its_top_logits(enable_sampling):
     outputs, _ = run_to_completion(EagleWorker(target, mtp, cfg), groups)
     assert outputs == reference(target, groups)
     assert all(token < VOCAB // 2 for output in outputs for token in output)
+
+
+def test_trees_smaller_than_their_depth_commit_only_inside_their_pages():
+    """topk 2, num_steps 5, num_draft_tokens 3: the accepted path is at most 2 tokens past N, and
+    commit_kv must not copy the path's padding columns to N + 3..N + 5, past the request's pages.
+    A reused row's stale positions pointed there at pages another running request now held."""
+    from spec_helpers import make_models
+
+    target, mtp = make_models()
+    cfg = SpecConfig(num_steps=5, topk=2, num_draft_tokens=3, page_size=4, max_batch_size=2, max_context_len=64)
+    worker = EagleWorker(target, mtp, cfg)
+    first = prompts(1, seed=1)[0][:12]
+    run_to_completion(worker, [([first], 3)])
+    groups = [([[7], prompts(1, seed=5)[0]], 12)]  # [7] reuses the first request's row with one page
+    outputs, _ = run_to_completion(worker, groups)
+    assert outputs == reference(target, groups)
+    assert not worker.target_pool.kv_buffers[0][0].any()  # nothing went to the padding page either
+
+
+def test_grow_ahead_pages_come_back_before_a_step_runs_out():
+    """A request that grew while pages were free holds some past its need; another request's
+    step takes them back rather than raising OutOfPagesError."""
+    from spec_helpers import make_models
+
+    target, mtp = make_models()
+    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=8)
+    worker = EagleWorker(target, mtp, cfg)
+    early, = worker.add_requests([[1, 2, 3]], 20)
+    for _ in range(3):
+        worker.step()
+    late, = worker.add_requests([[1, 2, 3, 4, 5, 6, 7]], 6)
+    drain(worker)
+    assert early.output == greedy_generate(target, [[1, 2, 3]], 20)[0]
+    assert late.output == greedy_generate(target, [[1, 2, 3, 4, 5, 6, 7]], 6)[0]
