@@ -19,3 +19,4 @@ class CuteDslMLABackend(TrtllmMLABackend):
     prefill_fallback = "trtllm_mla"
     # FlashInfer's cute-dsl entry point takes block tables of whole 128-token blocks.
     table_tokens_multiple = 128
+    skipped_heads = range(0)  # cute-dsl takes every head count up to 128

@@ -70,6 +70,8 @@ class PagedMLABackend:
     page_sizes: Optional[tuple[int, ...]] = None  # None: any page size
     kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
     table_tokens_multiple = 1  # block tables (max_context_len tokens wide) must span a multiple of this
+    max_heads: Optional[int] = None  # query heads per layer the kernel takes at most (None: any)
+    skipped_heads = range(0)  # head counts under max_heads the kernel refuses all the same
     workspace_bytes = 0
 
     def __init__(
@@ -82,6 +84,11 @@ class PagedMLABackend:
     ) -> None:
         """max_q_len / max_mask_len size the preallocated tree-mask buffer
         ``[max_batch_size, max_q_len, max_mask_len]`` bool (tree-mask backends only)."""
+        heads = layer.num_heads
+        if (self.max_heads is not None and heads > self.max_heads) or heads in self.skipped_heads:
+            skipped = f", except {self.skipped_heads.start}-{self.skipped_heads.stop - 1}" if self.skipped_heads else ""
+            raise ValueError(f"{self.name} takes up to {self.max_heads} query heads{skipped}, not {heads} (the "
+                             "model's heads on this rank); pick another attention backend")
         self.kv = kv
         self.layer = layer
         self.page_size = kv.page_size

@@ -25,15 +25,10 @@ class TrtllmMLABackend(PagedMLABackend):
     page_sizes = (32, 64)
     kv_dtypes = ("auto", "bf16", "fp8_e4m3")
     max_decode_q_len = 8
+    max_heads = 128
+    skipped_heads = range(65, 128)  # FlashInfer's trtllm-gen entry point refuses these
     # trtllm-gen keeps multi-CTA reduction counters in the workspace: it must start zeroed.
     workspace_bytes = 150 * 1024 * 1024
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        heads = self.layer.num_heads
-        if 64 < heads < 128:  # FlashInfer's trtllm-gen entry point refuses these head counts
-            raise ValueError(f"{self.name}: trtllm-gen MLA takes up to 64 heads or 128, not {heads} "
-                             "(the model's heads on this rank); pick another attention backend")
 
     def _run_decode_kernel(
         self,

@@ -93,7 +93,8 @@ def test_workspaces_are_isolated_and_trtllm_gen_is_zeroed(target, mtp, kernel_ca
 
 def test_worker_build_refuses_what_the_kernels_would(mtp, kernel_calls):
     """Settings the library would refuse at the first pass are refused when the worker is built,
-    naming the setting: an fp32 model's kv_dtype='auto', and trtllm-gen's head counts 65-127."""
+    naming the setting: an fp32 model's kv_dtype='auto', trtllm-gen's head counts 65-127 (which
+    cute-dsl takes) and more than 128 heads."""
     from specdec.config import ConfigError
     from spec_helpers import make_models
 
@@ -101,9 +102,16 @@ def test_worker_build_refuses_what_the_kernels_would(mtp, kernel_calls):
     with pytest.raises(ConfigError, match="kv_dtype='auto' is the model's dtype, fp32"):
         EagleWorker(fp32_target, mtp, SpecConfig(attention_backend="cutedsl_mla", page_size=64, max_context_len=128))
     target96, mtp96 = make_models(num_attention_heads=96)
-    with pytest.raises(ConfigError, match="trtllm-gen MLA takes up to 64 heads or 128, not 96"):
+    with pytest.raises(ConfigError, match="trtllm_mla takes up to 128 query heads, except 65-127, not 96"):
         EagleWorker(target96, mtp96, SpecConfig(attention_backend="trtllm_mla", kv_dtype="bf16", page_size=64,
                                                 max_context_len=128))
+    EagleWorker(target96, mtp96, SpecConfig(attention_backend="cutedsl_mla", prefill_backend="torch_ref",
+                                            kv_dtype="bf16", page_size=64, max_context_len=128))
+    target192, mtp192 = make_models(num_attention_heads=192)
+    for backend, kv_dtype in (("cutedsl_mla", "bf16"), ("tokenspeed_mla", "fp8_e4m3")):
+        with pytest.raises(ConfigError, match=f"{backend} takes up to 128 query heads, not 192"):
+            EagleWorker(target192, mtp192, SpecConfig(attention_backend=backend, prefill_backend="torch_ref",
+                                                      kv_dtype=kv_dtype, page_size=64, max_context_len=128))
 
 
 def test_tokenspeed_workspace_sized_from_sms_and_heads(target, mtp, kernel_calls):
