@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from attn.base import KV_DIM, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange
-from attn.reference import token_to_request
 from attn.workspace import get_workspace
 
 
@@ -244,27 +243,29 @@ class PagedMLABackend:
         """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
 
         Default: the decode kernel over chunks of at most ``max_decode_q_len`` query tokens per
-        request, right-aligned in a ``[B, chunk]`` grid (a chunk ending at a request's token e
-        sees kv length ``seq_len - q_len + e``). Grid cells without a token are padding and are
-        dropped; tokens outside the chunk go to a trash column. No host sync.
+        request. Requests are right-aligned in a ``[B, span]`` grid (span: max_q_len in whole
+        chunks), so the chunk ending at column e sees kv length ``seq_len - span + e``, never past
+        seq_len. Each chunk gathers its ``[B, chunk]`` cells from query and scatters its output
+        back; cells before a request's first token are padding (they read token 0 and write a
+        trash row). O(B x span) rows in all, no host sync.
         """
-        num_tokens = query.shape[0]
-        bs = block_tables.shape[0]
+        num_tokens, heads = query.shape[:2]
+        if num_tokens == 0:
+            return query.new_empty(0, heads, KV_LORA_RANK)
         chunk = min(self.max_decode_q_len or max_q_len, max_q_len)
-        req, idx = token_to_request(cu_seqlens_q, num_tokens)
-        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-        out = query.new_zeros(num_tokens, query.shape[1], KV_LORA_RANK)
-        for start in range(0, max_q_len, chunk):
-            end = q_lens.clamp(max=start + chunk)  # [B] tokens done after this chunk
-            in_chunk = (idx >= start) & (idx < start + chunk)
-            col = torch.where(in_chunk, chunk - (end[req] - start) + (idx - start), chunk)
-            grid = query.new_zeros(bs, chunk + 1, *query.shape[1:])
-            grid[req, col] = query
-            chunk_lens = (seq_lens.long() - q_lens + end).int()
-            part = self._run_decode_kernel(grid[:, :chunk], kv_cache, block_tables, chunk_lens, max_seq_len, None)
-            part = torch.cat([part, part.new_zeros(bs, 1, *part.shape[2:])], dim=1)
-            out = torch.where(in_chunk[:, None, None], part[req, col].to(out.dtype), out)
-        return out
+        span = -(-max_q_len // chunk) * chunk
+        starts = cu_seqlens_q[:-1].long()
+        first = cu_seqlens_q[1:].long() - span  # [B]: the token at column 0 (before the request where padded)
+        out = query.new_empty(num_tokens + 1, heads, KV_LORA_RANK)  # the last row is the trash row
+        cols = torch.arange(chunk, device=query.device)
+        for start in range(0, span, chunk):
+            token = first[:, None] + start + cols  # [B, chunk]
+            present = token >= starts[:, None]
+            lens = (seq_lens.long() - span + start + chunk).clamp(min=0).int()
+            part = self._run_decode_kernel(query[torch.where(present, token, 0)], kv_cache, block_tables, lens,
+                                           max_seq_len, None)
+            out.index_copy_(0, torch.where(present, token, num_tokens).flatten(), part.flatten(0, 1).to(out.dtype))
+        return out[:num_tokens]
 
 
 class RaggedKernelBackend(PagedMLABackend):

@@ -153,21 +153,21 @@ class ChunkedDecodeBackend(TorchRefBackend):
 
 def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
     g = torch.Generator().manual_seed(3)
-    pool = MLAKVPool(1, 16, 4, 3, 32, torch.float32)
-    rows = [pool.alloc_request() for _ in range(3)]
-    lens, q_lens = [9, 4, 11], [7, 1, 11]  # prefixes of 2, 3 and 0 tokens already cached
+    pool = MLAKVPool(1, 16, 4, 4, 32, torch.float32)
+    rows = [pool.alloc_request() for _ in range(4)]
+    lens, q_lens = [9, 5, 4, 11], [7, 0, 1, 11]  # prefixes of 2, 5, 3 and 0 tokens already cached
     for row, n in zip(rows, lens):
         pool.ensure_capacity(row, n)
     spec = LayerSpec(num_heads=2, sm_scale=0.2)
     loc = torch.cat([pool.req_to_token[r, n - q:n] for r, n, q in zip(rows, lens, q_lens)]).long()
-    cu = torch.tensor([0, 7, 8, 19], dtype=torch.int32)
+    cu = torch.tensor([0, 7, 7, 8, 19], dtype=torch.int32)
     batch = AttnBatch(ForwardMode.EXTEND, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), loc, cu, 11, False)
     pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, generator=g))
     q = torch.randn(19, 2, 576, generator=g)
     kv_new = torch.randn(19, 576, generator=g)
     outs = []
     for cls in (TorchRefBackend, ChunkedDecodeBackend):
-        backend = cls(pool.view(), spec, 3, 1)
+        backend = cls(pool.view(), spec, 4, 1)
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
