@@ -38,17 +38,14 @@ class FlashInferMLABackend(PagedMLABackend):
         self._num_sm = torch.cuda.get_device_properties(device).multi_processor_count
         # The largest uniform pass this backend serves must fit FlashInfer's tiles (raises if not).
         Fa3Geometry(self.max_batch_size, self.max_q_len, self.layer.num_heads, self._num_sm)
-        # One float workspace (split-KV partials) for this backend's wrappers: they run one at a time.
-        self._float_workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
-        self.wrapper = BatchMLAPagedAttentionWrapper(self._float_workspace, backend=self._backend)  # host-planned prefill
+        # The family's float workspace (split-KV partials, attn.workspace) serves every wrapper of every
+        # flashinfer_mla backend: passes run one at a time, in stream order.
+        self.wrapper = BatchMLAPagedAttentionWrapper(self.workspace, backend=self._backend)  # host-planned prefill
         self.wrapper_in_use = self.wrapper  # or a device-scheduled wrapper (init_forward_metadata)
         self._scheduled: dict[int, object] = {}  # cluster size -> wrapper planned once, scheduled on the device
         self._layouts: dict[Fa3Geometry, tuple[int, ...]] = {}  # where each geometry's schedule goes
         # The CSR page list of a uniform pass: [max_bs * max_pages + 1] int32, the last entry trash.
         self._kv_indices = torch.zeros(self.max_batch_size * self.max_pages + 1, dtype=torch.int32, device=device)
-
-    def _allocate_workspace(self) -> Optional[torch.Tensor]:
-        return None
 
     def _plan(self, wrapper, metadata) -> None:
         dtype = self.kv.kv_buffers[0].dtype
@@ -86,7 +83,7 @@ class FlashInferMLABackend(PagedMLABackend):
             return wrapper
         device, q_len = self.kv.device, g.q_len
         wrapper = BatchMLAPagedAttentionWrapper(
-            self._float_workspace, use_cuda_graph=True, backend=self._backend, kv_indices=self._kv_indices,
+            self.workspace, use_cuda_graph=True, backend=self._backend, kv_indices=self._kv_indices,
             qo_indptr=torch.zeros(2, dtype=torch.int32, device=device), kv_indptr=torch.zeros(2, dtype=torch.int32, device=device),
             kv_len_arr=torch.zeros(1, dtype=torch.int32, device=device),
         )

@@ -12,10 +12,9 @@ _WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}
 
 
 def get_workspace(family: str, num_bytes: int, device: torch.device) -> torch.Tensor:
-    """The zero-initialised ``[num_bytes]`` uint8 workspace of ``family`` on ``device``.
-
-    Grows (re-zeroed) if a later user needs more; every user of a family gets the same buffer.
-    """
+    """The zero-initialised ``[num_bytes]`` uint8 workspace of ``family`` on ``device``: the same
+    buffer for every user of the family, unless a later user needs more, which gets a new, larger
+    (zeroed) buffer that the users after it share; earlier users keep theirs."""
     key = (family, str(torch.device(device)))
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < num_bytes:

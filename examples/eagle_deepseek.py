@@ -203,6 +203,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.max_new_tokens < 4:
         ap.error("--max-new-tokens must be at least 4: the target-only timing leaves out the first three tokens")
+    for flag in ("batch_size", "prompt_len", "repeats"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        ap.error("--cuda-graph needs --device cuda")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked now, not after the sweep)
+        except ImportError:
+            ap.error("--plot needs matplotlib (pip install matplotlib)")
 
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -201,7 +201,10 @@ def main() -> None:
     ap.add_argument("--init-from", metavar="DIR", help="load the target (kept as is) and draft from DIR; train the draft only")
     ap.add_argument("--log-every", type=int, default=250)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out (the shipped model by default)")
     args = ap.parse_args()
+    if (Path(args.out) / "config.json").exists() and not args.force:
+        ap.error(f"{args.out} holds a checkpoint (by default the example's shipped model): pass --out DIR or --force")
     device = torch.device(args.device)
     t0 = time.perf_counter()
     tr = Trainer(args, device)

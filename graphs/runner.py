@@ -113,6 +113,8 @@ class GraphRunner:
         the long plans for every batch)."""
         # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the
         # worker frees the graphs at once, never in a garbage collection during another capture.
+        if worker.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {worker.device}")
         self.worker = weakref.proxy(worker)
         cfg = worker.config
         self.buckets = sorted(set(batch_sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))

@@ -18,6 +18,13 @@ def test_steps_decode_the_argmax_of_the_full_sequence_logits():
     assert out == logits[len(prompt) - 1:].argmax(-1).tolist()
 
 
+def test_empty_prompts_are_refused():
+    target, _ = make_models()
+    for bad in ([], [[1, 2], []]):
+        with pytest.raises(ValueError, match="every prompt at least one token"):
+            GreedyDecoder(target, bad, 3)
+
+
 def test_a_step_past_its_room_is_refused_and_changes_nothing():
     target, _ = make_models()
     decoder = GreedyDecoder(target, prompts(2, seed=1), 3)

@@ -93,6 +93,10 @@ def test_worker_lossless(backend, topk, ndt):
     cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16", page_size=16,
                      max_batch_size=5, max_context_len=256)
     worker = EagleWorker(target, mtp, cfg)
+    backends = [worker.verify_backend, worker.draft_extend_backend, worker.target_prefill_backend,
+                *worker.draft_backend.steps]
+    if backend == "flashinfer_mla":  # one float workspace for all (passes run in stream order)
+        assert len({b.workspace.data_ptr() for b in backends}) == 1
     groups = [(prompts(3, seed=4), 24), (prompts(2, seed=5), 16)]
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)

@@ -30,6 +30,13 @@ def test_buckets():
     assert pick_bucket(buckets, 9) is None
 
 
+def test_a_cpu_worker_is_refused():
+    target, mtp = make_models()
+    worker = EagleWorker(target, mtp, SpecConfig(max_batch_size=2, max_context_len=64))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the worker runs on cpu"):
+        GraphRunner(worker)
+
+
 def test_static_inputs_pad_rows_harmlessly():
     static = StaticInputs({"target_rows": torch.full((8,), 7), "seq_lens": torch.full((8,), 9), "hidden": torch.ones(8, 3)})
     static.fill({"target_rows": torch.tensor([3, 5, 6]), "seq_lens": torch.tensor([10, 11, 12]), "hidden": torch.full((3, 3), 2.0)}, bucket=4)
@@ -42,6 +49,7 @@ def test_static_inputs_pad_rows_harmlessly():
 def test_uncapturable_backend_refused():
     class FakeWorker:  # only what the runner inspects before capturing
         config = SpecConfig()
+        device = torch.device("cuda")
         verify_backend = type("B", (), {"name": "some_mla", "supports_cuda_graph": False})()
         draft_extend_backend = verify_backend
         draft_backend = type("M", (), {"steps": []})()
