@@ -55,6 +55,10 @@ class SpecConfig:
     max_batch_size / max_context_len: pool and buffer sizes. num_pages: KV pages per pool; None
         (default): every request at full context plus the padding page (``pool_pages``).
     cuda_graph_batch_sizes: buckets for CUDA graphs (graphs.runner.GraphRunner's default).
+    max_prefill_tokens: prompt tokens a prefill pass takes: add_requests prefills its prompts in
+        consecutive groups of at most this many tokens (a longer prompt goes alone). Bounds the
+        pass's activations and FlashInfer's prefill plan (at most 16384 work items, at least one per
+        128 of tokens x heads).
     enable_sampling: verify by tree rejection sampling so requests may use temperature > 0
         (greedy requests still get exactly the greedy output); off: argmax verification only.
     """
@@ -73,6 +77,7 @@ class SpecConfig:
     num_pages: Optional[int] = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     enable_sampling: bool = False
+    max_prefill_tokens: int = 16384
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -149,13 +154,15 @@ class SpecConfig:
         if (self.max_batch_size + 1) * self.max_context_len >= 2**31:
             raise ConfigError(f"(max_batch_size + 1) * max_context_len must stay below 2**31 (int32 KV slot "
                               f"indices), got {self.max_batch_size + 1} * {self.max_context_len}; lower one of them")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"num_pages must be at least 2 (page 0 is the padding sink), got {self.num_pages}")
         if any(bs < 1 or bs > self.max_batch_size for bs in self.cuda_graph_batch_sizes):
             raise ConfigError(f"cuda_graph_batch_sizes must lie in [1, max_batch_size={self.max_batch_size}], got {self.cuda_graph_batch_sizes}")
 
     def _check_ints(self) -> None:
-        for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len"):
+        for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len", "max_prefill_tokens"):
             setattr(self, name, _check_int(name, getattr(self, name)))
         for name in ("num_draft_tokens", "num_pages"):
             if getattr(self, name) is not None:

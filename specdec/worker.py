@@ -139,7 +139,7 @@ class EagleWorker:
                 )
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         try:
-            new_state = self._prefill(new)
+            new_state = DecodeState.concat([self._prefill(group) for group in self._prefill_groups(new)])
             first = HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist()
             keep = [i for i, token in enumerate(first) if not (max_new_tokens <= 1 or token == eos_token_id)]
             if keep:
@@ -182,6 +182,18 @@ class EagleWorker:
         if req.draft_row >= 0:
             self.draft_pool.free_request(req.draft_row)
         req.target_row = req.draft_row = -1
+
+    def _prefill_groups(self, new: list[Request]) -> list[list[Request]]:
+        """new in consecutive groups of at most max_prefill_tokens prompt tokens (a longer prompt alone)."""
+        groups: list[list[Request]] = []
+        tokens = 0
+        for req in new:
+            if not groups or tokens + len(req.prompt) > self.config.max_prefill_tokens:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(req)
+            tokens += len(req.prompt)
+        return groups
 
     def _prefill(self, new: list[Request]) -> DecodeState:
         """Target prefill -> first token (greedy) -> draft prefill -> first draft candidates."""

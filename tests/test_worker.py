@@ -271,3 +271,20 @@ def test_grow_ahead_pages_come_back_before_a_step_runs_out():
     drain(worker)
     assert early.output == greedy_generate(target, [[1, 2, 3]], 20)[0]
     assert late.output == greedy_generate(target, [[1, 2, 3, 4, 5, 6, 7]], 6)[0]
+
+
+def test_prefill_runs_in_groups_of_at_most_max_prefill_tokens(target, mtp):
+    """Prompts of 3, 4, 9, 2 and 2 tokens under a cap of 6: passes of [3], [4], [9] (alone, over
+    the cap) and [2, 2]; the outputs stay the greedy ones."""
+    cfg = SpecConfig(num_steps=2, max_batch_size=5, max_context_len=64, max_prefill_tokens=6)
+    worker = EagleWorker(target, mtp, cfg)
+    passes = []
+    prefill = worker._prefill
+    worker._prefill = lambda group: passes.append([len(r.prompt) for r in group]) or prefill(group)
+    lengths = [3, 4, 9, 2, 2]
+    groups = [([p[:n] for p, n in zip(prompts(5, seed=8), lengths)], 6)]
+    outputs, _ = run_to_completion(worker, groups)
+    assert passes == [[3], [4], [9], [2, 2]]
+    assert outputs == reference(target, groups)
+    with pytest.raises(ConfigError, match="max_prefill_tokens must be >= 1"):
+        SpecConfig(max_prefill_tokens=0)
