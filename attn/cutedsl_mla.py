@@ -1,8 +1,8 @@
 """FlashInfer CuTe-DSL MLA decode (Blackwell, SM100 family): decode only.
 
 Prefill and draft-extend fall back to trtllm_mla (attn.registry). The cute-dsl kernel writes
-split-KV partials into its workspace, so it owns one of its own: sharing trtllm-gen's would
-overwrite that kernel's zero-initialised multi-CTA counters (upstream saw a deadlock).
+split-KV partials into its workspace, so it owns one of its own (attn.workspace): never
+trtllm-gen's, whose zero-initialised multi-CTA counters some FlashInfer versions keep there.
 """
 
 from __future__ import annotations
@@ -20,3 +20,4 @@ class CuteDslMLABackend(TrtllmMLABackend):
     # FlashInfer's cute-dsl entry point takes block tables of whole 128-token blocks.
     table_tokens_multiple = 128
     skipped_heads = range(0)  # cute-dsl takes every head count up to 128
+    multi_cta_counters = False

@@ -39,6 +39,14 @@ class PagedMetadata:
     max_seq_len: int
 
 
+B200_NUM_SMS = 148
+
+
+def blackwell_sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; on the CPU (the Blackwell backends' seam tests) a B200's."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else B200_NUM_SMS
+
+
 @dataclass
 class GraphBuffers:
     """The static inputs a captured pass reads, sized for max_batch_size (graph captures, and eager passes above the largest bucket): block_tables

@@ -13,10 +13,9 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM
-from attn.paged import PagedMLABackend
+from attn.paged import PagedMLABackend, blackwell_sm_count
 
 MAX_Q_LEN = 8
-B200_NUM_SMS = 148
 
 
 def tokenspeed_workspace_bytes(num_sms: int, num_heads: int) -> int:
@@ -35,9 +34,7 @@ class TokenspeedMLABackend(PagedMLABackend):
 
     @property
     def workspace_bytes(self) -> int:
-        device = self.kv.device
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else B200_NUM_SMS
-        return tokenspeed_workspace_bytes(num_sms, self.layer.num_heads)
+        return tokenspeed_workspace_bytes(blackwell_sm_count(self.kv.device), self.layer.num_heads)
 
     def _run_decode_kernel(
         self,

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM
-from attn.paged import PagedMLABackend
+from attn.paged import PagedMLABackend, blackwell_sm_count
 
 QK_NOPE_HEAD_DIM = 128
 
@@ -27,8 +27,21 @@ class TrtllmMLABackend(PagedMLABackend):
     max_decode_q_len = 8
     max_heads = 128
     skipped_heads = range(65, 128)  # FlashInfer's trtllm-gen entry point refuses these
-    # trtllm-gen keeps multi-CTA reduction counters in the workspace: it must start zeroed.
     workspace_bytes = 150 * 1024 * 1024
+    # trtllm-gen's multi-CTA split-KV semaphores: a zeroed buffer the backend owns (the kernel
+    # resets them after every launch); FlashInfer allocates and zeroes one per call when none is
+    # passed, inside captured graphs too. cute-dsl has none.
+    multi_cta_counters = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._counters: Optional[torch.Tensor] = None
+        if self.multi_cta_counters:
+            from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
+
+            num_bytes = get_trtllm_gen_multi_ctas_kv_counter_bytes(
+                self.max_batch_size, self.layer.num_heads, blackwell_sm_count(self.kv.device))
+            self._counters = torch.zeros(num_bytes, dtype=torch.uint8, device=self.kv.device)
 
     def _run_decode_kernel(
         self,
@@ -56,5 +69,6 @@ class TrtllmMLABackend(PagedMLABackend):
             bmm1_scale=self.bmm1_scale(),
             bmm2_scale=self.bmm2_scale(),
             backend=self.flashinfer_backend,
+            multi_ctas_kv_counter_buffer=self._counters,
         )
         return out.to(query.dtype)

@@ -1,7 +1,9 @@
 """One workspace buffer per kernel family and device.
 
 Families never share a buffer: cute-dsl's split-KV partials would overwrite trtllm-gen's
-zero-initialised multi-CTA counters (upstream saw a deadlock when the two shared one).
+zero-initialised multi-CTA counters where FlashInfer keeps those in the workspace (upstream saw a
+deadlock when the two shared one; FlashInfer 0.7.2 keeps them in a buffer of their own, which
+trtllm_mla allocates per backend).
 """
 
 from __future__ import annotations

@@ -130,3 +130,38 @@ def test_fp8_scales(target, kernel_calls):
     assert backend.bmm1_scale() == 0.5 * 0.125 and backend.bmm2_scale() == 0.5
     bf16 = MLAKVPool(1, 4, 64, 1, 128, torch.bfloat16, kv_scale=0.5)
     assert TrtllmMLABackend(bf16.view(), LayerSpec(4, 0.125), 1, 4).bmm1_scale() == 0.125
+
+
+@pytest.mark.parametrize("cls", [TrtllmMLABackend, CuteDslMLABackend])
+def test_flashinfer_call_binds_to_the_installed_signature(monkeypatch, cls):
+    """The real _run_decode_kernel against FlashInfer's own signature (the kernel swapped for a
+    stub that binds the arguments): trtllm-gen gets its zeroed multi-CTA counter buffer, sized by
+    FlashInfer's rule and the same every call; cute-dsl, which takes none, gets None."""
+    import inspect
+
+    import flashinfer.mla
+    from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
+    from attn.base import LayerSpec
+    from specdec.kv import MLAKVPool
+
+    real = flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla
+    calls = []
+
+    def stub(*args, **kwargs):
+        calls.append(inspect.signature(real).bind(*args, **kwargs).arguments)
+        query = kwargs["query"]
+        return torch.zeros(*query.shape[:3], 512, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", stub)
+    pool = MLAKVPool(1, 9, 64, 2, 256, torch.bfloat16)
+    backend = cls(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), 2, 4)
+    args = (torch.zeros(2, 4, 16, 576, dtype=torch.bfloat16), pool.kv_buffers[0], torch.ones(2, 4, dtype=torch.int32),
+            torch.full((2,), 70, dtype=torch.int32), 256, None)
+    for _ in range(2):
+        assert backend._run_decode_kernel(*args).shape == (2, 4, 16, 512)
+    counters = [call.get("multi_ctas_kv_counter_buffer") for call in calls]
+    if cls.multi_cta_counters:
+        assert counters[0] is counters[1] and not counters[0].any()
+        assert counters[0].numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(2, 16, 148)
+    else:
+        assert counters == [None, None]
