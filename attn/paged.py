@@ -269,7 +269,8 @@ class PagedMLABackend:
         for start in range(0, span, chunk):
             token = first[:, None] + start + cols  # [B, chunk]
             present = token >= starts[:, None]
-            lens = (seq_lens.long() - span + start + chunk).clamp(min=0).int()
+            # at least 1: a chunk of padding cells alone never hands the kernel an empty sequence
+            lens = (seq_lens.long() - span + start + chunk).clamp(min=1).int()
             part = self._run_decode_kernel(query[torch.where(present, token, 0)], kv_cache, block_tables, lens,
                                            max_seq_len, None)
             out.index_copy_(0, torch.where(present, token, num_tokens).flatten(), part.flatten(0, 1).to(out.dtype))

@@ -14,7 +14,7 @@ from specdec.kv import MLAKVPool
 
 
 def _check_prompts(prompts: list[list[int]]) -> None:
-    if not prompts or not all(prompts):
+    if len(prompts) == 0 or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("target-only decoding needs at least one prompt, and every prompt at least one token")
 
 

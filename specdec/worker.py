@@ -184,15 +184,17 @@ class EagleWorker:
         req.target_row = req.draft_row = -1
 
     def _prefill_groups(self, new: list[Request]) -> list[list[Request]]:
-        """new in consecutive groups of at most max_prefill_tokens prompt tokens (a longer prompt alone)."""
+        """new in consecutive groups whose passes take at most max_prefill_tokens tokens (a longer
+        prompt alone): the draft's pass is the longer, by draft_offset a prompt."""
         groups: list[list[Request]] = []
         tokens = 0
         for req in new:
-            if not groups or tokens + len(req.prompt) > self.config.max_prefill_tokens:
+            size = len(req.prompt) + self.draft_offset
+            if not groups or tokens + size > self.config.max_prefill_tokens:
                 groups.append([])
                 tokens = 0
             groups[-1].append(req)
-            tokens += len(req.prompt)
+            tokens += size
         return groups
 
     def _prefill(self, new: list[Request]) -> DecodeState:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec.baseline import GreedyDecoder, sequence_logits
+from specdec.baseline import GreedyDecoder, greedy_generate, sequence_logits
 from spec_helpers import make_models, prompts
 
 
@@ -18,8 +18,13 @@ def test_steps_decode_the_argmax_of_the_full_sequence_logits():
     assert out == logits[len(prompt) - 1:].argmax(-1).tolist()
 
 
-def test_empty_prompts_are_refused():
+def test_empty_prompts_are_refused_and_array_prompts_taken():
+    import numpy as np
+
     target, _ = make_models()
+    lists = prompts(2, seed=4)
+    arrays = [np.array(p) for p in lists]
+    assert greedy_generate(target, arrays, 3) == greedy_generate(target, lists, 3)
     for bad in ([], [[1, 2], []]):
         with pytest.raises(ValueError, match="every prompt at least one token"):
             GreedyDecoder(target, bad, 3)

@@ -318,3 +318,5 @@ def test_bf16_keeps_rope_frequencies_and_routing_bias_fp32():
     assert torch.equal(built.rotary.inv_freq_bits.view(torch.float32), inv_freq)
     assert built.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
     assert built.lm_head.weight.dtype == torch.bfloat16
+    empty = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16, device="meta").to_empty(device="cpu")
+    assert empty.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32

@@ -149,6 +149,11 @@ class ChunkedDecodeBackend(TorchRefBackend):
 
     max_decode_q_len = 3
     _run_prefill_kernel = PagedMLABackend._run_prefill_kernel
+    kv_lens: list[list[int]] = []  # the kv lengths each decode-kernel call got
+
+    def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
+        self.kv_lens.append(seq_lens.tolist())
+        return super()._run_decode_kernel(query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
 
 
 def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
@@ -171,3 +176,5 @@ def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    # Chunks of padding alone still hand the kernel a non-empty sequence (the request of no tokens).
+    assert len(ChunkedDecodeBackend.kv_lens) == 4 and min(min(lens) for lens in ChunkedDecodeBackend.kv_lens) >= 1

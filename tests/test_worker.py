@@ -288,3 +288,8 @@ def test_prefill_runs_in_groups_of_at_most_max_prefill_tokens(target, mtp):
     assert outputs == reference(target, groups)
     with pytest.raises(ConfigError, match="max_prefill_tokens must be >= 1"):
         SpecConfig(max_prefill_tokens=0)
+    # A standalone draft's pass takes one token more a prompt: two prompts of 3 are two passes there.
+    standalone = EagleWorker(target, StandaloneDraft(target), SpecConfig(
+        num_steps=2, draft_mode="standalone", max_batch_size=2, max_context_len=64, max_prefill_tokens=6))
+    assert [[len(r.prompt) for r in group] for group in standalone._prefill_groups(
+        standalone.add_requests([[1, 2, 3], [4, 5, 6]], 2))] == [[3], [3]]

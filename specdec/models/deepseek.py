@@ -198,10 +198,14 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
 
     def _apply(self, fn, recurse: bool = True):
-        """Module.to(dtype) and friends leave the bias fp32; only its device follows."""
+        """Module.to(dtype) and friends leave the bias fp32; only its device follows (from a meta
+        tensor, as in to_empty, an uninitialised fp32 one)."""
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
-        self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
+        moved = self.e_score_correction_bias
+        if moved.dtype != bias.dtype:
+            self.e_score_correction_bias = (torch.empty_like(moved, dtype=bias.dtype) if bias.is_meta
+                                            else bias.to(moved.device))
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
