@@ -1,5 +1,7 @@
 """What the spec step's CUDA graphs cost at start-up: graphs, capture seconds and graph memory per
-context length, with the kv-bound graphs (GraphRunner's default) and without (GPU).
+context length, with the kv-bound graphs (GraphRunner's default) and without (GPU). Graph memory:
+what capturing adds to torch.cuda.memory_allocated; reserved: to memory_reserved once the cache
+is emptied (the segments the graphs' pool holds, and cuBLAS's workspace).
 
     python -m benchmarks.graph_capture [--contexts 4096,32768] [--backend triton_mla]
                                        [--out benchmarks/results/graph_capture.png]
@@ -39,14 +41,18 @@ def capture(backend: str, context: int, kv_bounds: bool) -> dict:
     worker = EagleWorker(target, StandaloneDraft(target), cfg)
     gc.collect()
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    before, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     with torch.inference_mode():
         runner = GraphRunner(worker, progress=False, kv_bounds=kv_bounds)
     torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()  # what stays reserved: the graphs' pool segments and cuBLAS's workspace
     bounds = {bs: b[:-1] for bs, b in runner.kv_bounds.items() if len(b) > 1}
     return {"backend": backend, "context": context, "kv_bounds": kv_bounds,
             "graphs": len(GRAPH_KINDS) * len(runner.captured), "capture_s": round(runner.capture_seconds, 2),
             "graph_MiB": round((torch.cuda.memory_allocated() - before) / 2**20),
+            "reserved_MiB": round((torch.cuda.memory_reserved() - before_reserved) / 2**20),
             "bounds": " ".join(f"{bs}:{'/'.join(map(str, b))}" for bs, b in bounds.items()) or "-"}
 
 
