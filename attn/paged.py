@@ -146,6 +146,10 @@ class PagedMLABackend:
         self.metadata = PagedMetadata(tables, static.seq_lens[:bs], static.cu_seqlens_q[: bs + 1], max_seq_len)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Buffers already large enough stay: graphs another runner captured against them keep
+        reading live memory."""
+        if self._graph_buffers is not None and self._graph_buffers.seq_lens.shape[0] >= max_bs:
+            return
         device = self.kv.device
         self._graph_buffers = GraphBuffers(
             block_tables=torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device),

@@ -79,6 +79,16 @@ def test_padding_rows_past_the_last_request_are_left_alone():
         assert torch.equal(out[3:], torch.full((2, 2, 512), 7.0))
 
 
+def test_graph_state_keeps_buffers_that_are_large_enough():
+    """A second runner's init_cuda_graph_state must not free what the first one's graphs read."""
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
+    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=4, max_q_len=2)
+    backend.init_cuda_graph_state(4, 8)
+    buffers = backend._graph_buffers
+    backend.init_cuda_graph_state(4, 8)
+    assert backend._graph_buffers is buffers
+
+
 def test_backend_writes_kv_then_attends():
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     row = pool.alloc_request()
