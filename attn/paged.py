@@ -39,18 +39,11 @@ class PagedMetadata:
     max_seq_len: int
 
 
-B200_NUM_SMS = 148
-
-
-def blackwell_sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; on the CPU (the Blackwell backends' seam tests) a B200's."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else B200_NUM_SMS
-
-
 @dataclass
 class GraphBuffers:
-    """The static inputs a captured pass reads, sized for max_batch_size (graph captures, and eager passes above the largest bucket): block_tables
-    ``[max_bs, max_pages]`` int32, seq_lens ``[max_bs]`` int32, cu_seqlens_q ``[max_bs + 1]`` int32."""
+    """The static inputs a captured pass reads, sized for max_batch_size (graph captures, and eager
+    passes above the largest bucket): block_tables ``[max_bs, max_pages]`` int32, seq_lens
+    ``[max_bs]`` int32, cu_seqlens_q ``[max_bs + 1]`` int32."""
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor

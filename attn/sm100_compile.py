@@ -108,6 +108,13 @@ B200 = DeviceDescription(
     shared_memory_per_block_optin=232448,
 )
 
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; on the CPU (the Blackwell backends' seam tests) the B200's."""
+    if device.type != "cuda":
+        return B200.multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
 # Library caches that memoise device answers. They are emptied on entry (so a real GPU's answers
 # never leak into a fake-B200 compile) and on exit (so fake answers never leak out). Only modules
 # already imported are touched; nothing is imported for this.

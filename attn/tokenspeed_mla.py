@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM
-from attn.paged import PagedMLABackend, blackwell_sm_count
+from attn.paged import PagedMLABackend
+from attn.sm100_compile import sm_count
 
 MAX_Q_LEN = 8
 
@@ -34,7 +35,7 @@ class TokenspeedMLABackend(PagedMLABackend):
 
     @property
     def workspace_bytes(self) -> int:
-        return tokenspeed_workspace_bytes(blackwell_sm_count(self.kv.device), self.layer.num_heads)
+        return tokenspeed_workspace_bytes(sm_count(self.kv.device), self.layer.num_heads)
 
     def _run_decode_kernel(
         self,

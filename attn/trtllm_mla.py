@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM
-from attn.paged import PagedMLABackend, blackwell_sm_count
+from attn.paged import PagedMLABackend
+from attn.sm100_compile import sm_count
 
 QK_NOPE_HEAD_DIM = 128
 
@@ -40,7 +41,7 @@ class TrtllmMLABackend(PagedMLABackend):
             from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
 
             num_bytes = get_trtllm_gen_multi_ctas_kv_counter_bytes(
-                self.max_batch_size, self.layer.num_heads, blackwell_sm_count(self.kv.device))
+                self.max_batch_size, self.layer.num_heads, sm_count(self.kv.device))
             self._counters = torch.zeros(num_bytes, dtype=torch.uint8, device=self.kv.device)
 
     def _run_decode_kernel(

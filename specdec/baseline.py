@@ -13,18 +13,14 @@ from specdec.batch import extend_batch, ragged_arange, uniform_batch
 from specdec.kv import MLAKVPool
 
 
-def _check_prompts(prompts: list[list[int]]) -> None:
-    if len(prompts) == 0 or any(len(prompt) == 0 for prompt in prompts):
-        raise ValueError("target-only decoding needs at least one prompt, and every prompt at least one token")
-
-
 class _Session:
     """A KV pool with one row of ``context`` positions per prompt, an attention backend, and
     the prompts' prefill: what target-only decoding and full-sequence logits both start from."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], context: int, page_size: int,
                  backend: str, kv_dtype: torch.dtype | None) -> None:
-        _check_prompts(prompts)
+        if len(prompts) == 0 or any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("target-only decoding needs at least one prompt, and every prompt at least one token")
         param = next(model.parameters())
         self.model, self.device, bs = model, param.device, len(prompts)
         self.pool = MLAKVPool(model.num_attention_layers, bs * context // page_size + 1, page_size, bs, context,
@@ -61,9 +57,9 @@ class GreedyDecoder:
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, backend: str = "torch_ref",
                  page_size: int = 16, kv_dtype: torch.dtype | None = None, cuda_graph: bool = False) -> None:
         """Room for ``max_new_tokens`` tokens a request (the first and max_new_tokens - 1 steps)."""
-        _check_prompts(prompts)
         bs = len(prompts)
-        context = page_size * math.ceil((max(map(len, prompts)) + max_new_tokens + 1) / page_size)
+        # (no prompts: _Session refuses them)
+        context = page_size * math.ceil((max(map(len, prompts), default=0) + max_new_tokens + 1) / page_size)
         self.model, self.cuda_graph, self.max_new_tokens = model, cuda_graph, max_new_tokens
         self.run = _Session(model, prompts, context, page_size, backend, kv_dtype)
         self.token = model.compute_logits(self.run.prefill_hidden[self.run.prefill.cu_seqlens_q[1:].long() - 1]).argmax(-1)

@@ -31,10 +31,11 @@ def as_int(value: object) -> Optional[int]:
         return None
 
 
-def _check_int(name: str, value: object) -> int:
+def require_int(value: object, rule: str, error: type[ValueError] = ValueError) -> int:
+    """value as an int (as_int); else ``error`` stating ``rule``."""
     checked = as_int(value)
     if checked is None:
-        raise ConfigError(f"{name} must be an int, got {value!r}")
+        raise error(f"{rule}, got {value!r}")
     return checked
 
 
@@ -163,10 +164,10 @@ class SpecConfig:
 
     def _check_ints(self) -> None:
         for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len", "max_prefill_tokens"):
-            setattr(self, name, _check_int(name, getattr(self, name)))
+            setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))
         for name in ("num_draft_tokens", "num_pages"):
             if getattr(self, name) is not None:
-                setattr(self, name, _check_int(name, getattr(self, name)))
+                setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))
 
     @property
     def max_tree_candidates(self) -> int:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from specdec.config import as_int
-from specdec.tree import VerifyTree
+from specdec.tree import VerifyTree, tempered
 from specdec.verify import AcceptResult, path_and_emitted
 
 
@@ -56,11 +56,8 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     Temperature 0 gives a one-hot of the first maximum (torch.argmax's, as target-only greedy
     decoding picks). Returns ``[N, V]`` fp32.
     """
-    logits = logits.float()
     greedy = temperature <= 0
-    # Shifted by the row maximum first: a tiny temperature then sends the rest to -inf, never the
-    # maximum to inf (which made the row NaN).
-    scaled = (logits - logits.amax(-1, keepdim=True)) / torch.where(greedy, 1.0, temperature)[:, None]
+    scaled = tempered(logits, temperature)
     # Stable: tied logits keep index order, so rank 0 is argmax's choice.
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]

@@ -19,14 +19,20 @@ import torch
 from attn.base import const_arange
 
 
+def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``[N, V]`` at each row's temperature ``[N]`` (0: left as they are, greedy),
+    shifted by the row maximum first, so a tiny temperature sends the rest to -inf and never
+    the maximum to inf."""
+    logits = logits.float()
+    return (logits - logits.amax(-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)[:, None]
+
+
 def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax (at each row's sampling temperature; 0 = greedy keeps 1) then top-k.
 
     logits ``[N, V]``, temperature ``[N]`` -> (probs ``[N, k]`` fp32, ids ``[N, k]`` int64).
     """
-    logits = logits.float()
-    if temperature is not None:  # shifted by the row maximum first, so a tiny temperature cannot overflow
-        logits = (logits - logits.amax(-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    logits = logits.float() if temperature is None else tempered(logits, temperature)
     return torch.softmax(logits, dim=-1).topk(k, dim=-1)
 
 

@@ -21,7 +21,7 @@ from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_batch, host_to_device, ragged_arange, uniform_batch
-from specdec.config import ConfigError, SpecConfig, as_int
+from specdec.config import ConfigError, SpecConfig, require_int
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
@@ -29,14 +29,6 @@ from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_p
 from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats
 from specdec.tree import VerifyTree, start_tree, topk_probs
 from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
-
-
-def _index(rule: str, value: object) -> int:
-    """value as an int (config.as_int); else a ValueError stating ``rule``."""
-    checked = as_int(value)
-    if checked is None:
-        raise ValueError(f"{rule}, got {value!r}")
-    return checked
 
 
 GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
@@ -113,12 +105,12 @@ class EagleWorker:
         if len(prompts) == 0:  # (a numpy array of prompts has no truth value)
             return []
         cfg = self.config
-        max_new_tokens = _index("max_new_tokens must be an int", max_new_tokens)
+        max_new_tokens = require_int(max_new_tokens, "max_new_tokens must be an int")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (the prefill emits the first token), got {max_new_tokens}")
         vocab = self.target.config.vocab_size
         if eos_token_id is not None:
-            eos_token_id = _index("eos_token_id must be one int or None", eos_token_id)
+            eos_token_id = require_int(eos_token_id, "eos_token_id must be one int or None")
             validate_token_ids([eos_token_id], vocab)
         sampling = sampling or [SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
@@ -127,7 +119,7 @@ class EagleWorker:
             raise ValueError("temperature > 0 needs SpecConfig(enable_sampling=True) (rejection-sampling verification)")
         if len(self.requests) + len(prompts) > cfg.max_batch_size:
             raise ValueError(f"{len(self.requests)} running + {len(prompts)} new requests exceed max_batch_size {cfg.max_batch_size}")
-        prompts = [[_index("prompt tokens must be ints", t) for t in prompt] for prompt in prompts]
+        prompts = [[require_int(t, "prompt tokens must be ints") for t in prompt] for prompt in prompts]
         for prompt in prompts:
             if not prompt:
                 raise ValueError("empty prompt: a request needs at least one token")
