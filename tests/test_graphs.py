@@ -138,6 +138,23 @@ def _pad(live: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.gpu
+def test_a_replaced_state_field_reaches_the_graphs():
+    """The runner skips copying the last replay's own state back into its static inputs; a field
+    of that state replaced by another tensor is copied (the tree's root is the new token)."""
+    target, worker = gpu_worker("triton_mla")
+    runner = GraphRunner(worker, [1, 2, 4], progress=False)
+    worker.add_requests(prompts(3, seed=3), 20)
+    worker.step()
+    worker._reserve_pages()
+    st, trows, drows = worker.step_inputs()
+    assert st is runner._resident[0]
+    root = (st.root + 1) % target.config.vocab_size
+    st.root = root
+    _, _, tree = runner.run(st, trows, drows)
+    assert torch.equal(tree.tokens[:, 0], root)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
 @pytest.mark.parametrize("batch", [3, 4])  # padded and exact bucket
