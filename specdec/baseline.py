@@ -9,7 +9,7 @@ import torch
 
 from attn.base import ForwardMode
 from attn.registry import get_backend_class
-from specdec.batch import extend_batch, ragged_arange, uniform_batch
+from specdec.batch import MAX_PREFILL_TOKENS, extend_batch, extend_positions, prefill_pieces, uniform_batch
 from specdec.kv import MLAKVPool
 
 
@@ -30,10 +30,15 @@ class _Session:
         self.pool.ensure_capacity_many(rows, [context] * bs)
         self.rows = torch.tensor(rows, device=self.device)
         lens = [len(p) for p in prompts]
-        self.prefill = extend_batch(self.pool.req_to_token, rows, [0] * bs, lens)
-        self.attn.init_forward_metadata(self.prefill)
-        ids = torch.tensor([t for p in prompts for t in p], device=self.device)
-        self.prefill_hidden = model(ids, ragged_arange(lens).to(self.device), self.attn, self.prefill)  # [T, D]
+        self.last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B] each prompt's last token
+        hidden = []  # prefill passes of at most MAX_PREFILL_TOKENS tokens, a long prompt over several
+        for pieces in prefill_pieces(lens, MAX_PREFILL_TOKENS):
+            starts, sizes = [s for _, s, _ in pieces], [n for _, _, n in pieces]
+            batch = extend_batch(self.pool.req_to_token, [rows[i] for i, _, _ in pieces], starts, sizes)
+            self.attn.init_forward_metadata(batch)
+            ids = torch.tensor([t for i, s, n in pieces for t in prompts[i][s:s + n]], device=self.device)
+            hidden.append(model(ids, extend_positions(starts, sizes).to(self.device), self.attn, batch))
+        self.prefill_hidden = torch.cat(hidden)  # [T, D], the prompts' tokens in order
 
     def decode(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """One token per request (``[B]``) at kv index seq_lens (``[B]`` int64): hidden ``[B, D]``."""
@@ -62,7 +67,7 @@ class GreedyDecoder:
         context = page_size * math.ceil((max(map(len, prompts), default=0) + max_new_tokens + 1) / page_size)
         self.model, self.cuda_graph, self.max_new_tokens = model, cuda_graph, max_new_tokens
         self.run = _Session(model, prompts, context, page_size, backend, kv_dtype)
-        self.token = model.compute_logits(self.run.prefill_hidden[self.run.prefill.cu_seqlens_q[1:].long() - 1]).argmax(-1)
+        self.token = model.compute_logits(self.run.prefill_hidden[self.run.last]).argmax(-1)
         self.tokens = [self.token.clone()]  # [B] int64 each, on the device
         lens = [len(p) for p in prompts]
         self.seq_lens = torch.tensor(lens, device=self.run.device)

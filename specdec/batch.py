@@ -8,10 +8,20 @@ import torch
 
 from attn.base import AttnBatch, ForwardMode, const_arange
 
+# Prompt tokens a prefill pass takes by default: FlashInfer's prefill plan holds at most 16384 work
+# items, at least one per 128 of tokens x heads, so 16384 tokens pass at up to 128 heads.
+MAX_PREFILL_TOKENS = 16384
+
 
 def ragged_arange(lengths: list[int]) -> torch.Tensor:
     """``[0..n0), [0..n1), ...`` concatenated (host): positions of packed prefill tokens."""
     return torch.cat([torch.arange(n) for n in lengths])
+
+
+def extend_positions(starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """``[starts[0]..starts[0] + lengths[0]), ...`` concatenated (host int64): the kv positions of
+    a prefill pass's packed tokens."""
+    return torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), torch.tensor(lengths)) + ragged_arange(lengths)
 
 
 def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -52,7 +62,7 @@ def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int],
     """
     device = req_to_token.device
     row_t = torch.tensor(rows, dtype=torch.long, device=device)
-    index = (torch.repeat_interleave(torch.tensor(starts), torch.tensor(lengths)) + ragged_arange(lengths)).to(device)
+    index = extend_positions(starts, lengths).to(device)
     row_of_token = torch.repeat_interleave(row_t, torch.tensor(lengths, device=device))
     out_cache_loc = req_to_token[row_of_token, index].long()
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
@@ -60,3 +70,29 @@ def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int],
     return AttnBatch(
         ForwardMode.EXTEND, row_t, seq_lens.to(device), out_cache_loc, cu, max(lengths), False,
     )
+
+
+def prefill_pieces(lengths: list[int], max_tokens: int, extra_last: int = 0) -> list[list[tuple[int, int, int]]]:
+    """Prompts of ``lengths`` tokens cut into consecutive prefill passes of at most ``max_tokens``
+    tokens (chunked prefill): each pass a list of ``(prompt index, start, length)`` pieces. The
+    prompts' tokens go in order, so a long prompt spans passes (never two pieces of one prompt in
+    one pass). extra_last: tokens a prompt's last piece costs beyond its own (a standalone draft's
+    pass also takes the prompt's first output); a last piece that fits no pass goes alone.
+    """
+    passes: list[list[tuple[int, int, int]]] = [[]]
+    room = max_tokens
+    for i, n in enumerate(lengths):
+        start = 0
+        while start < n:
+            rest = n - start
+            take = rest if rest + extra_last <= room else min(room, rest - 1)
+            if take <= 0:
+                if passes[-1]:
+                    passes.append([])
+                    room = max_tokens
+                    continue
+                take = rest  # max_tokens < 1 + extra_last: the last token alone
+            passes[-1].append((i, start, take))
+            room -= take + (extra_last if start + take == n else 0)
+            start += take
+    return passes

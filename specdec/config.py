@@ -10,6 +10,7 @@ from attn.registry import (
     BackendChoice, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
     resolve_backends,
 )
+from specdec.batch import MAX_PREFILL_TOKENS
 from specdec.kv import KV_DTYPES
 
 
@@ -57,9 +58,10 @@ class SpecConfig:
         (default): every request at full context plus the padding page (``pool_pages``).
     cuda_graph_batch_sizes: buckets for CUDA graphs (graphs.runner.GraphRunner's default).
     max_prefill_tokens: prompt tokens a prefill pass takes: add_requests prefills its prompts in
-        consecutive groups of at most this many tokens (a longer prompt goes alone). Bounds the
-        pass's activations and FlashInfer's prefill plan (at most 16384 work items, at least one per
-        128 of tokens x heads).
+        consecutive passes of at most this many tokens, a longer prompt over several passes
+        (chunked prefill; a standalone draft's pass takes one token more per prompt it finishes).
+        Bounds the pass's activations and FlashInfer's prefill plan (at most 16384 work items, at
+        least one per 128 of tokens x heads).
     enable_sampling: verify by tree rejection sampling so requests may use temperature > 0
         (greedy requests still get exactly the greedy output); off: argmax verification only.
     """
@@ -78,7 +80,7 @@ class SpecConfig:
     num_pages: Optional[int] = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     enable_sampling: bool = False
-    max_prefill_tokens: int = 16384
+    max_prefill_tokens: int = MAX_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -96,9 +98,11 @@ class SpecConfig:
 
     @property
     def spec_headroom(self) -> int:
-        """Context positions a request needs past its prompt and max_new_tokens: the largest verify
-        tree or draft region, the standalone draft's one position more, and the root."""
-        return max(self.num_draft_tokens, self.draft_region_len) + (self.draft_mode == "standalone") + 1
+        """Context positions a request needs past its prompt and max_new_tokens. Its last step runs
+        at N = prompt + max_new_tokens - 2 (that step emits the last token) and writes the target's
+        kv up to N + num_draft_tokens, the draft's up to N + draft offset (standalone: 1) + the
+        draft region."""
+        return max(self.num_draft_tokens, self.draft_region_len + (self.draft_mode == "standalone")) - 2
 
     @property
     def backends(self) -> BackendChoice:
@@ -147,9 +151,9 @@ class SpecConfig:
             check_context_len(choice, self.max_context_len)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if self.max_context_len < self.spec_headroom + 2:
-            raise ConfigError(f"max_context_len ({self.max_context_len}) leaves no room for a request: a one-token "
-                              f"prompt and one new token need {self.spec_headroom + 2} with this tree; raise it")
+        if self.max_context_len < self.spec_headroom + 3:
+            raise ConfigError(f"max_context_len ({self.max_context_len}) leaves no room for a spec step: a one-token "
+                              f"prompt and two new tokens need {self.spec_headroom + 3} with this tree; raise it")
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if (self.max_batch_size + 1) * self.max_context_len >= 2**31:

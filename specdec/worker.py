@@ -20,7 +20,7 @@ from attn.base import AttnBatch, ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
-from specdec.batch import extend_batch, host_to_device, ragged_arange, uniform_batch
+from specdec.batch import extend_batch, extend_positions, host_to_device, prefill_pieces, uniform_batch
 from specdec.config import ConfigError, SpecConfig, require_int
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
@@ -131,7 +131,9 @@ class EagleWorker:
                 )
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         try:
-            new_state = DecodeState.concat([self._prefill(group) for group in self._prefill_groups(new)])
+            # Every prompt ends in one pass, in order: the states concatenate in new's order.
+            ended = (self._prefill(pieces) for pieces in self._prefill_passes(new))
+            new_state = DecodeState.concat([state for state in ended if state is not None])
             first = HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist()
             keep = [i for i, token in enumerate(first) if not (max_new_tokens <= 1 or token == eos_token_id)]
             if keep:
@@ -175,50 +177,54 @@ class EagleWorker:
             self.draft_pool.free_request(req.draft_row)
         req.target_row = req.draft_row = -1
 
-    def _prefill_groups(self, new: list[Request]) -> list[list[Request]]:
-        """new in consecutive groups whose passes take at most max_prefill_tokens tokens (a longer
-        prompt alone): the draft's pass is the longer, by draft_offset a prompt."""
-        groups: list[list[Request]] = []
-        tokens = 0
-        for req in new:
-            size = len(req.prompt) + self.draft_offset
-            if not groups or tokens + size > self.config.max_prefill_tokens:
-                groups.append([])
-                tokens = 0
-            groups[-1].append(req)
-            tokens += size
-        return groups
+    def _prefill_passes(self, new: list[Request]) -> list[list[tuple[Request, int, int]]]:
+        """new's prompts in passes of at most max_prefill_tokens tokens: (request, start, length)
+        pieces (specdec.batch.prefill_pieces); the draft's pass is the longer, by draft_offset a
+        finished prompt."""
+        cuts = prefill_pieces([len(r.prompt) for r in new], self.config.max_prefill_tokens, self.draft_offset)
+        return [[(new[i], start, n) for i, start, n in pieces] for pieces in cuts]
 
-    def _prefill(self, new: list[Request]) -> DecodeState:
-        """Target prefill -> first token (greedy) -> draft prefill -> first draft candidates."""
+    def _prefill(self, pieces: list[tuple[Request, int, int]]) -> Optional[DecodeState]:
+        """One prefill pass over prompt pieces ``(request, start, length)``, the kv before each
+        start already cached: target pass; for the requests whose prompt ends here, the first token
+        (sampled as a verify would); draft pass; their first draft candidates. Returns their
+        DecodeState (None when no prompt ends in this pass)."""
         dev, off = self.device, self.draft_offset
-        lens = [len(r.prompt) for r in new]
-        ids = torch.tensor([t for r in new for t in r.prompt], device=dev)
-        positions = ragged_arange(lens).to(dev)
-        batch = extend_batch(self.target_pool.req_to_token, [r.target_row for r in new], [0] * len(new), lens)
-        hidden = self._forward(self.target, self.target_prefill_backend, batch, ids, positions)
-        last = batch.cu_seqlens_q[1:].long() - 1
-        params = self._sampling_tensors(new)
-        probs = target_probs(self.target.compute_logits(hidden[last]), *params[:3])
-        root = sample_from(probs, hash_uniform(params[3], torch.zeros_like(params[3]), -1))
+        starts, lens = [s for _, s, _ in pieces], [n for _, _, n in pieces]
+        ids = torch.tensor([t for r, s, n in pieces for t in r.prompt[s:s + n]], device=dev)
+        batch = extend_batch(self.target_pool.req_to_token, [r.target_row for r, _, _ in pieces], starts, lens)
+        hidden = self._forward(self.target, self.target_prefill_backend, batch, ids, extend_positions(starts, lens).to(dev))
+        ending = [k for k, (r, s, n) in enumerate(pieces) if s + n == len(r.prompt)]
+        done = [pieces[k][0] for k in ending]
+        if done:
+            last = batch.cu_seqlens_q[1:].long()[ending] - 1
+            params = self._sampling_tensors(done)
+            probs = target_probs(self.target.compute_logits(hidden[last]), *params[:3])
+            root = sample_from(probs, hash_uniform(params[3], torch.zeros_like(params[3]), -1))
 
-        # The draft sees (prompt + [root])[1 - off:] at positions 0.. (index maps known on the host).
-        starts = torch.tensor([0] + lens).cumsum(0)[:-1]
-        seq = torch.empty(ids.shape[0] + len(new), dtype=ids.dtype, device=dev)
-        shift = torch.arange(len(new))
-        seq[(torch.repeat_interleave(starts + shift, torch.tensor(lens)) + ragged_arange(lens)).to(dev)] = ids
-        seq[(starts + shift + torch.tensor(lens)).to(dev)] = root
-        keep = torch.cat([torch.arange(1 - off, n + 1) + s + k for k, (s, n) in enumerate(zip(starts.tolist(), lens))])
-        draft_ids = seq[keep.to(dev)]
-        draft_lens = [n + off for n in lens]
-        draft_positions = ragged_arange(draft_lens).to(dev)
-        dbatch = extend_batch(self.draft_pool.req_to_token, [r.draft_row for r in new], [0] * len(new), draft_lens)
-        dhidden = self._forward(self.draft, self.draft_prefill_backend, dbatch, draft_ids, draft_positions, hidden if off == 0 else None)
-        dlast = dbatch.cu_seqlens_q[1:].long() - 1
+        # The draft sees (prompt + [root])[1 - off:] at positions 0..: a piece's draft tokens are
+        # (prompt + [root])[s + 1 - off : s + n + 1 - off], plus the root after a standalone
+        # draft's last piece. Every root slot is known on the host.
+        draft_lens = [n + (off if k in ending else 0) for k, n in enumerate(lens)]
+        tokens, root_slots = [], []
+        for (r, s, _), dn in zip(pieces, draft_lens):
+            for j in range(s + 1 - off, s + 1 - off + dn):
+                if j == len(r.prompt):
+                    root_slots.append(len(tokens))
+                tokens.append(r.prompt[j] if j < len(r.prompt) else 0)
+        draft_ids = torch.tensor(tokens, device=dev)
+        if done:
+            draft_ids[torch.tensor(root_slots, device=dev)] = root
+        dbatch = extend_batch(self.draft_pool.req_to_token, [r.draft_row for r, _, _ in pieces], starts, draft_lens)
+        dhidden = self._forward(self.draft, self.draft_prefill_backend, dbatch, draft_ids,
+                                extend_positions(starts, draft_lens).to(dev), hidden if off == 0 else None)
+        if not done:
+            return None
+        dlast = dbatch.cu_seqlens_q[1:].long()[ending] - 1
         cand = topk_probs(self.draft.compute_logits(dhidden[dlast]), self.config.topk, params[0])
-        seq_lens = torch.tensor(lens, device=dev)
-        stops = torch.tensor([[len(r.prompt) + r.max_new_tokens - 1 for r in new],
-                              [-1 if r.eos_token_id is None else r.eos_token_id for r in new]], device=dev)
+        seq_lens = torch.tensor([len(r.prompt) for r in done], device=dev)
+        stops = torch.tensor([[len(r.prompt) + r.max_new_tokens - 1 for r in done],
+                              [-1 if r.eos_token_id is None else r.eos_token_id for r in done]], device=dev)
         return DecodeState(root, seq_lens, dhidden[dlast], *cand, *params, torch.ones_like(params[3]), *stops.unbind(0))
 
     def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:

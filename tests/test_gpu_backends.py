@@ -7,11 +7,12 @@ import torch
 
 from attn.base import ForwardMode, LayerSpec
 from attn.registry import get_backend_class
+from specdec.baseline import greedy_generate
 from specdec.batch import extend_batch, uniform_batch
 from specdec.config import SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.worker import EagleWorker
-from spec_helpers import make_models, prompts, reference, run_to_completion
+from spec_helpers import VOCAB, make_models, prompts, reference, run_to_completion
 
 pytestmark = pytest.mark.gpu
 ATOL = 2e-2  # bf16 cache and queries, fp32 accumulation
@@ -110,3 +111,15 @@ def test_blackwell_backends_refused_on_hopper(backend):
     cfg = SpecConfig(attention_backend=backend, kv_dtype="fp8_e4m3", page_size=64)
     with pytest.raises(ValueError, match=f"{backend} .*needs a SM10x GPU.*backends that run here: \\['flashinfer_mla', 'torch_ref', 'triton_mla'\\]"):
         EagleWorker(target, mtp, cfg)
+
+
+def test_flashinfer_prefills_a_prompt_past_its_plan_capacity():
+    """At 128 heads FlashInfer's prefill plan holds 16384 prompt tokens; a 17000-token prompt
+    prefills in two passes (worker and target-only alike) and decodes losslessly."""
+    target, mtp = make_models("cuda", torch.float32, num_attention_heads=128, max_position_embeddings=32768)
+    prompt = torch.randint(0, VOCAB, (17000,), generator=torch.Generator().manual_seed(6)).tolist()
+    cfg = SpecConfig(num_steps=3, attention_backend="flashinfer_mla", kv_dtype="bf16", page_size=64,
+                     max_batch_size=1, max_context_len=17088)
+    worker = EagleWorker(target, mtp, cfg)
+    outputs, _ = run_to_completion(worker, [([prompt], 12)])
+    assert outputs == greedy_generate(target, [prompt], 12, backend="flashinfer_mla", page_size=64, kv_dtype=torch.bfloat16)

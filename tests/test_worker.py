@@ -273,23 +273,106 @@ def test_grow_ahead_pages_come_back_before_a_step_runs_out():
     assert late.output == greedy_generate(target, [[1, 2, 3, 4, 5, 6, 7]], 6)[0]
 
 
-def test_prefill_runs_in_groups_of_at_most_max_prefill_tokens(target, mtp):
-    """Prompts of 3, 4, 9, 2 and 2 tokens under a cap of 6: passes of [3], [4], [9] (alone, over
-    the cap) and [2, 2]; the outputs stay the greedy ones."""
-    cfg = SpecConfig(num_steps=2, max_batch_size=5, max_context_len=64, max_prefill_tokens=6)
-    worker = EagleWorker(target, mtp, cfg)
+def cached(pool, row: int, n: int) -> torch.Tensor:
+    """``[layers, n, 576]``: the pool's kv of positions [0, n) of req_to_token row ``row``."""
+    loc = pool.req_to_token[row, :n].long()
+    return torch.stack([cache.flatten(0, 1)[loc] for cache in pool.kv_buffers])
+
+
+@pytest.mark.parametrize("draft_mode,topk", [("eagle", 1), ("eagle", 2), ("standalone", 1)])
+def test_prefill_runs_in_passes_of_at_most_max_prefill_tokens(target, mtp, draft_mode, topk):
+    """Prompts of 3, 4, 9, 2 and 2 tokens under a cap of 6 prefill in chunks, a long prompt over
+    several passes (each pass's target and draft pieces checked). The caches and first draft
+    candidates equal those of one pass over every prompt, and the outputs stay the greedy ones; a
+    standalone draft's passes take the first output after each finished prompt."""
+    off = 1 if draft_mode == "standalone" else 0
+    draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
+    cfg = SpecConfig(num_steps=2, topk=topk, num_draft_tokens=2 * topk + 1, draft_mode=draft_mode, max_batch_size=5,
+                     max_context_len=64, max_prefill_tokens=6)
+    worker = EagleWorker(target, draft, cfg)
+    whole = EagleWorker(target, draft, SpecConfig(**{**cfg.__dict__, "max_prefill_tokens": 64}))
     passes = []
-    prefill = worker._prefill
-    worker._prefill = lambda group: passes.append([len(r.prompt) for r in group]) or prefill(group)
+    forward = worker._forward
+
+    def record(model, backend, batch, *inputs):
+        if batch.mode.value == "extend":
+            passes.append((model is target, batch.cu_seqlens_q.diff().tolist(), batch.seq_lens.tolist()))
+        return forward(model, backend, batch, *inputs)
+
+    worker._forward = record
     lengths = [3, 4, 9, 2, 2]
     groups = [([p[:n] for p, n in zip(prompts(5, seed=8), lengths)], 6)]
-    outputs, _ = run_to_completion(worker, groups)
-    assert passes == [[3], [4], [9], [2, 2]]
-    assert outputs == reference(target, groups)
+    chunked, one_pass = worker.add_requests(*groups[0]), whole.add_requests(*groups[0])
+    for a, b in zip(chunked, one_pass):  # every layer's kv of the prompt (and the standalone's first output)
+        torch.testing.assert_close(cached(worker.target_pool, a.target_row, len(a.prompt)),
+                                   cached(whole.target_pool, b.target_row, len(b.prompt)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cached(worker.draft_pool, a.draft_row, len(a.prompt) + off),
+                                   cached(whole.draft_pool, b.draft_row, len(b.prompt) + off), atol=1e-5, rtol=1e-5)
+    for name in ("root", "hidden", "cand_probs", "cand_ids"):
+        torch.testing.assert_close(getattr(worker.state, name), getattr(whole.state, name), atol=1e-5, rtol=1e-5)
+    drain(worker)
+    assert [r.output for r in chunked] == reference(target, groups)
+    target_passes = [(q, kv) for is_target, q, kv in passes if is_target]
+    draft_passes = [(q, kv) for is_target, q, kv in passes if not is_target]
+    if off == 0:  # 3 | 3 of 4 | 1 + 5 of 9 | 4 + 2 | 2: kv lengths end where each piece ends
+        assert target_passes == [([3, 3], [3, 3]), ([1, 5], [4, 5]), ([4, 2], [9, 2]), ([2], [2])]
+        assert draft_passes == target_passes
+    else:  # each finished prompt costs one token more in the draft's pass
+        assert target_passes == [([3, 2], [3, 2]), ([2, 3], [4, 3]), ([5], [8]), ([1, 2, 1], [9, 2, 1]), ([1], [2])]
+        assert draft_passes == [([4, 2], [4, 2]), ([3, 3], [5, 3]), ([5], [8]), ([2, 3, 1], [10, 3, 1]), ([2], [3])]
+    assert all(sum(q) <= 6 for q, _ in draft_passes)
+
+
+def test_prefill_pieces_cover_the_prompts_in_order_within_the_cap():
+    """prefill_pieces over random lengths and caps: the pieces spell every prompt in order, no pass
+    holds two pieces of one prompt, and every pass costs at most the cap unless it is one piece."""
+    from specdec.batch import prefill_pieces
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        lengths = rng.integers(1, 40, size=rng.integers(1, 6)).tolist()
+        cap, extra = int(rng.integers(1, 30)), int(rng.integers(0, 2))
+        passes = prefill_pieces(lengths, cap, extra)
+        flat = [piece for pieces in passes for piece in pieces]
+        assert [(i, s) for i, s, _ in flat] == [(i, s) for i, n in enumerate(lengths) for s in
+                                                np.cumsum([0] + [n for j, _, n in flat if j == i])[:-1].tolist()]
+        assert all(sum(n for j, _, n in flat if j == i) == n for i, n in enumerate(lengths))
+        for pieces in passes:
+            assert pieces and len({i for i, _, _ in pieces}) == len(pieces)
+            cost = sum(n + (extra if s + n == lengths[i] else 0) for i, s, n in pieces)
+            assert cost <= cap or len(pieces) == 1
     with pytest.raises(ConfigError, match="max_prefill_tokens must be >= 1"):
         SpecConfig(max_prefill_tokens=0)
-    # A standalone draft's pass takes one token more a prompt: two prompts of 3 are two passes there.
-    standalone = EagleWorker(target, StandaloneDraft(target), SpecConfig(
-        num_steps=2, draft_mode="standalone", max_batch_size=2, max_context_len=64, max_prefill_tokens=6))
-    assert [[len(r.prompt) for r in group] for group in standalone._prefill_groups(
-        standalone.add_requests([[1, 2, 3], [4, 5, 6]], 2))] == [[3], [3]]
+
+
+def test_target_only_prefill_in_passes_matches_one_pass(target, monkeypatch):
+    """Target-only greedy decoding with its prefill cut into 5-token passes gives the tokens of one pass."""
+    import specdec.baseline
+    group = [p[:n] for p, n in zip(prompts(3, seed=4), [12, 3, 7])]
+    whole = greedy_generate(target, group, 6)
+    monkeypatch.setattr(specdec.baseline, "MAX_PREFILL_TOKENS", 5)
+    assert greedy_generate(target, group, 6) == whole
+
+
+@pytest.mark.parametrize("draft_mode,topk,num_steps,ndt", [
+    ("eagle", 1, 3, None), ("eagle", 2, 3, 6), ("eagle", 4, 3, 5), ("standalone", 1, 3, None), ("standalone", 4, 3, 5),
+])
+def test_a_request_that_fills_its_context_exactly_runs_to_the_end(target, mtp, draft_mode, topk, num_steps, ndt):
+    """A prompt of max_context_len - max_new_tokens - spec_headroom tokens is admitted, its last
+    step runs at N = prompt + max_new_tokens - 2 with every write inside the context (the pools
+    refuse more), and it decodes the greedy tokens; one token more is refused."""
+    draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
+    cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, draft_mode=draft_mode, max_batch_size=1,
+                     max_context_len=64)
+    worker = EagleWorker(target, draft, cfg)
+    max_new = 14  # the identity draft advances 4 a step: from the prompt, N reaches prompt + 12
+    prompt = prompts(1, seed=11)[0] * 8
+    prompt = prompt[:64 - max_new - cfg.spec_headroom]
+    with pytest.raises(ValueError, match="exceed max_context_len"):
+        worker.add_requests([prompt + [1]], max_new)
+    req, = worker.add_requests([prompt], max_new)
+    seen = []
+    while worker.requests:
+        seen.append(req.seq_len)
+        worker.step()
+    assert max(seen) == len(prompt) + max_new - 2
+    assert req.output == greedy_generate(target, [prompt], max_new)[0]
