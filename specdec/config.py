@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -32,6 +34,11 @@ def as_int(value: object) -> Optional[int]:
         return None
 
 
+def is_real(value: object) -> bool:
+    """value is a real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def require_int(value: object, rule: str, error: type[ValueError] = ValueError) -> int:
     """value as an int (as_int); else ``error`` stating ``rule``."""
     checked = as_int(value)
@@ -54,6 +61,9 @@ class SpecConfig:
         (default: attention_backend, or its family's fallback; see attn.registry).
     page_size: tokens per KV page; must divide max_context_len.
     kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp32" or "fp8_e4m3".
+    kv_scale: the per-tensor scale of an fp8_e4m3 cache, both pools: the cache stores kv / kv_scale
+        (saturating at +-448) and the kernels scale back (a checkpoint's k_scale, or a calibration).
+        1.0 for other kv dtypes.
     max_batch_size / max_context_len: pool and buffer sizes. num_pages: KV pages per pool; None
         (default): every request at full context plus the padding page (``pool_pages``).
     cuda_graph_batch_sizes: buckets for CUDA graphs (graphs.runner.GraphRunner's default).
@@ -75,6 +85,7 @@ class SpecConfig:
     prefill_backend: Optional[str] = None
     page_size: int = 16
     kv_dtype: str = "auto"
+    kv_scale: float = 1.0
     max_batch_size: int = 8
     max_context_len: int = 512
     num_pages: Optional[int] = None
@@ -134,6 +145,11 @@ class SpecConfig:
             raise ConfigError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be 'auto' or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if not (is_real(self.kv_scale) and math.isfinite(self.kv_scale) and self.kv_scale > 0):
+            raise ConfigError(f"kv_scale must be a finite number > 0, got {self.kv_scale!r}")
+        self.kv_scale = float(self.kv_scale)
+        if self.kv_scale != 1.0 and self.kv_dtype != "fp8_e4m3":
+            raise ConfigError(f"kv_scale {self.kv_scale} scales an fp8_e4m3 cache only; set kv_dtype='fp8_e4m3' or kv_scale=1.0")
         given_page_size = self.page_size
         try:
             choice = self.backends

@@ -14,13 +14,12 @@ request's stream is reproducible, independent of batch composition, and needs no
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from specdec.config import as_int
+from specdec.config import as_int, is_real
 from specdec.tree import VerifyTree, tempered
 from specdec.verify import AcceptResult, path_and_emitted
 
@@ -36,18 +35,14 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if as_int(self.top_k) is None or not 0 <= self.top_k < 2**63:
             raise ValueError(f"top_k must be an int64 >= 0 (0 disables it), got {self.top_k!r}")
         if as_int(self.seed) is None or not -2**63 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int64, got {self.seed!r}")
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

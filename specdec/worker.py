@@ -57,7 +57,7 @@ class EagleWorker:
 
         def pool(num_layers: int) -> MLAKVPool:
             return MLAKVPool(num_layers, config.pool_pages, config.page_size, config.max_batch_size,
-                             config.max_context_len, kv_dtype, self.device)
+                             config.max_context_len, kv_dtype, self.device, config.kv_scale)
 
         self.target_pool, self.draft_pool = pool(target.num_attention_layers), pool(draft.num_attention_layers)
         classes = choice.classes()
