@@ -131,6 +131,7 @@ class AttentionBackend(Protocol):
     needs_cpu_seq_lens: bool  # True: plans from host kv lengths (eager: a sync per pass); False: sync-free
     supports_tree_mask: bool  # can attend with a custom (topk > 1) tree mask
     supports_cuda_graph: bool
+    max_prefill_tokens: Optional[int]  # query tokens a prefill (EXTEND) pass may hold; None: any
 
     def init_forward_metadata(self, batch: AttnBatch) -> None:
         """Build per-pass metadata (block tables, scales); call once per forward, before layers."""

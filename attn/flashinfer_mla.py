@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, AttnBatch, const_arange
-from attn.fa3_plan import Fa3Geometry, schedule_layout, write_schedule
+from attn.fa3_plan import MAX_WORKS, Fa3Geometry, schedule_layout, write_schedule
 from attn.paged import PagedMLABackend
 
 
@@ -38,6 +38,10 @@ class FlashInferMLABackend(PagedMLABackend):
         self._num_sm = torch.cuda.get_device_properties(device).multi_processor_count
         # The largest uniform pass this backend serves must fit FlashInfer's tiles (raises if not).
         Fa3Geometry(self.max_batch_size, self.max_q_len, self.layer.num_heads, self._num_sm)
+        # A prefill plan holds MAX_WORKS work items: a query tile per 128 rows of tokens x heads, one more
+        # per request at most, and split kv adds at most one per cluster (at most one per SM).
+        heads = self.layer.num_heads
+        self.max_prefill_tokens = (MAX_WORKS - self.max_batch_size - self._num_sm) * 128 // heads
         # The family's float workspace (split-KV partials, attn.workspace) serves every wrapper of every
         # flashinfer_mla backend: passes run one at a time, in stream order.
         self.wrapper = BatchMLAPagedAttentionWrapper(self.workspace, backend=self._backend)  # host-planned prefill

@@ -66,6 +66,7 @@ class PagedMLABackend:
     supports_draft_extend = True  # uniform num_steps + 1 query tokens per request
     prefill_fallback: Optional[str] = None  # backend serving prefill/draft-extend where this one cannot
     max_decode_q_len: Optional[int] = None  # query tokens per request the decode kernel takes (None: any)
+    max_prefill_tokens: Optional[int] = None  # query tokens a prefill (EXTEND) pass may hold (None: any)
     required_sm: Optional[tuple[int, ...]] = None  # compute-capability majors the kernel runs on
     page_sizes: Optional[tuple[int, ...]] = None  # None: any page size
     kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
@@ -252,7 +253,7 @@ class PagedMLABackend:
         chunks), so the chunk ending at column e sees kv length ``seq_len - span + e``, never past
         seq_len. Each chunk gathers its ``[B, chunk]`` cells from query and scatters its output
         back; cells before a request's first token are padding (they read token 0 and write a
-        trash row). O(B x span) rows in all, no host sync.
+        trash row, and a chunk of them alone sees one kv row). O(B x span) rows in all, no host sync.
         """
         num_tokens, heads = query.shape[:2]
         if num_tokens == 0:
@@ -266,8 +267,9 @@ class PagedMLABackend:
         for start in range(0, span, chunk):
             token = first[:, None] + start + cols  # [B, chunk]
             present = token >= starts[:, None]
-            # at least 1: a chunk of padding cells alone never hands the kernel an empty sequence
-            lens = (seq_lens.long() - span + start + chunk).clamp(min=1).int()
+            # A chunk of padding cells alone attends to one kv row: not to a cached prefix (chunked
+            # prefill), and never to an empty sequence.
+            lens = torch.where(present.any(1), seq_lens.long() - span + start + chunk, 1).int()
             part = self._run_decode_kernel(query[torch.where(present, token, 0)], kv_cache, block_tables, lens,
                                            max_seq_len, None)
             out.index_copy_(0, torch.where(present, token, num_tokens).flatten(), part.flatten(0, 1).to(out.dtype))

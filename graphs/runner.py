@@ -33,7 +33,7 @@ import gc
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -237,9 +237,10 @@ class GraphRunner:
             self.worker.plan_passes_on_host(self.worker.host_seq_lens(bucket))
         bound = self.kv_bound(bucket)
         self.replay(bucket, kv_bound=bound)
-        views = self._views.get((b, bucket, bound)) or self._make_views(b, bucket, bound)
-        self._resident = (views[1], tuple(vars(views[1]).values()), target_rows, draft_rows)
-        return views
+        result, state, tree = self._views.get((b, bucket, bound)) or self._make_views(b, bucket, bound)
+        state = replace(state)  # a new object each step: a caller's edit of it stays its own
+        self._resident = (state, tuple(vars(state).values()), target_rows, draft_rows)
+        return result, state, tree
 
     def replay(self, bucket: int, kind: Optional[str] = None, kv_bound: Optional[int] = None) -> None:
         """The bucket's step for ``kv_bound`` (all kinds, one launch) or one kind of graph alone, on

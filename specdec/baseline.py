@@ -18,21 +18,22 @@ class _Session:
     the prompts' prefill: what target-only decoding and full-sequence logits both start from."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], context: int, page_size: int,
-                 backend: str, kv_dtype: torch.dtype | None) -> None:
+                 backend: str, kv_dtype: torch.dtype | None, kv_scale: float = 1.0) -> None:
         if len(prompts) == 0 or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("target-only decoding needs at least one prompt, and every prompt at least one token")
         param = next(model.parameters())
         self.model, self.device, bs = model, param.device, len(prompts)
         self.pool = MLAKVPool(model.num_attention_layers, bs * context // page_size + 1, page_size, bs, context,
-                              kv_dtype or param.dtype, self.device)
+                              kv_dtype or param.dtype, self.device, kv_scale)
         self.attn = get_backend_class(backend)(self.pool.view(), model.attn_spec(), bs, 1)
         rows = [self.pool.alloc_request() for _ in prompts]
         self.pool.ensure_capacity_many(rows, [context] * bs)
         self.rows = torch.tensor(rows, device=self.device)
         lens = [len(p) for p in prompts]
         self.last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B] each prompt's last token
-        hidden = []  # prefill passes of at most MAX_PREFILL_TOKENS tokens, a long prompt over several
-        for pieces in prefill_pieces(lens, MAX_PREFILL_TOKENS):
+        hidden = []  # passes of at most MAX_PREFILL_TOKENS (or the backend's max) tokens, a long prompt over several
+        cap = min(MAX_PREFILL_TOKENS, self.attn.max_prefill_tokens or MAX_PREFILL_TOKENS)
+        for pieces in prefill_pieces(lens, cap):
             starts, sizes = [s for _, s, _ in pieces], [n for _, _, n in pieces]
             batch = extend_batch(self.pool.req_to_token, [rows[i] for i, _, _ in pieces], starts, sizes)
             self.attn.init_forward_metadata(batch)
@@ -60,13 +61,15 @@ class GreedyDecoder:
 
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, backend: str = "torch_ref",
-                 page_size: int = 16, kv_dtype: torch.dtype | None = None, cuda_graph: bool = False) -> None:
-        """Room for ``max_new_tokens`` tokens a request (the first and max_new_tokens - 1 steps)."""
+                 page_size: int = 16, kv_dtype: torch.dtype | None = None, cuda_graph: bool = False,
+                 kv_scale: float = 1.0) -> None:
+        """Room for ``max_new_tokens`` tokens a request (the first and max_new_tokens - 1 steps);
+        kv_scale: an fp8 cache's per-tensor scale (SpecConfig.kv_scale)."""
         bs = len(prompts)
         # (no prompts: _Session refuses them)
         context = page_size * math.ceil((max(map(len, prompts), default=0) + max_new_tokens + 1) / page_size)
         self.model, self.cuda_graph, self.max_new_tokens = model, cuda_graph, max_new_tokens
-        self.run = _Session(model, prompts, context, page_size, backend, kv_dtype)
+        self.run = _Session(model, prompts, context, page_size, backend, kv_dtype, kv_scale)
         self.token = model.compute_logits(self.run.prefill_hidden[self.run.last]).argmax(-1)
         self.tokens = [self.token.clone()]  # [B] int64 each, on the device
         lens = [len(p) for p in prompts]
@@ -116,10 +119,12 @@ def greedy_generate(
     page_size: int = 16,
     kv_dtype: torch.dtype | None = None,
     cuda_graph: bool = False,
+    kv_scale: float = 1.0,
 ) -> list[list[int]]:
     """Prefill every prompt, then decode one token per request per forward (argmax): the
-    max_new_tokens tokens of each request (GreedyDecoder, whose ``cuda_graph`` this is)."""
-    decoder = GreedyDecoder(model, prompts, max_new_tokens, backend, page_size, kv_dtype, cuda_graph)
+    max_new_tokens tokens of each request (GreedyDecoder, whose ``cuda_graph`` and ``kv_scale``
+    these are)."""
+    decoder = GreedyDecoder(model, prompts, max_new_tokens, backend, page_size, kv_dtype, cuda_graph, kv_scale)
     for _ in range(max_new_tokens - 1):
         decoder.step()
     return decoder.outputs()

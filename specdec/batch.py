@@ -8,8 +8,8 @@ import torch
 
 from attn.base import AttnBatch, ForwardMode, const_arange
 
-# Prompt tokens a prefill pass takes by default: FlashInfer's prefill plan holds at most 16384 work
-# items, at least one per 128 of tokens x heads, so 16384 tokens pass at up to 128 heads.
+# Prompt tokens a prefill pass takes by default (bounds its activations); a backend whose kernel takes
+# fewer says so (max_prefill_tokens) and gets passes of that size.
 MAX_PREFILL_TOKENS = 16384
 
 

@@ -70,8 +70,8 @@ class SpecConfig:
     max_prefill_tokens: prompt tokens a prefill pass takes: add_requests prefills its prompts in
         consecutive passes of at most this many tokens, a longer prompt over several passes
         (chunked prefill; a standalone draft's pass takes one token more per prompt it finishes).
-        Bounds the pass's activations and FlashInfer's prefill plan (at most 16384 work items, at
-        least one per 128 of tokens x heads).
+        Bounds the pass's activations; a prefill backend that takes fewer tokens a pass (its
+        max_prefill_tokens: flashinfer_mla, about 16k at 128 heads) gets passes of its size.
     enable_sampling: verify by tree rejection sampling so requests may use temperature > 0
         (greedy requests still get exactly the greedy output); off: argmax verification only.
     """

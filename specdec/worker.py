@@ -178,10 +178,13 @@ class EagleWorker:
         req.target_row = req.draft_row = -1
 
     def _prefill_passes(self, new: list[Request]) -> list[list[tuple[Request, int, int]]]:
-        """new's prompts in passes of at most max_prefill_tokens tokens: (request, start, length)
-        pieces (specdec.batch.prefill_pieces); the draft's pass is the longer, by draft_offset a
-        finished prompt."""
-        cuts = prefill_pieces([len(r.prompt) for r in new], self.config.max_prefill_tokens, self.draft_offset)
+        """new's prompts in passes of at most max_prefill_tokens tokens (the config's, or fewer
+        where a prefill backend takes fewer): (request, start, length) pieces
+        (specdec.batch.prefill_pieces); the draft's pass is the longer, by draft_offset a finished
+        prompt."""
+        limits = (b.max_prefill_tokens for b in (self.target_prefill_backend, self.draft_prefill_backend))
+        cap = min([self.config.max_prefill_tokens, *(n for n in limits if n is not None)])
+        cuts = prefill_pieces([len(r.prompt) for r in new], cap, self.draft_offset)
         return [[(new[i], start, n) for i, start, n in pieces] for pieces in cuts]
 
     def _prefill(self, pieces: list[tuple[Request, int, int]]) -> Optional[DecodeState]:
@@ -208,10 +211,11 @@ class EagleWorker:
         draft_lens = [n + (off if k in ending else 0) for k, n in enumerate(lens)]
         tokens, root_slots = [], []
         for (r, s, _), dn in zip(pieces, draft_lens):
-            for j in range(s + 1 - off, s + 1 - off + dn):
-                if j == len(r.prompt):
-                    root_slots.append(len(tokens))
-                tokens.append(r.prompt[j] if j < len(r.prompt) else 0)
+            piece = r.prompt[s + 1 - off:s + 1 - off + dn]
+            tokens += piece
+            if len(piece) < dn:  # the piece ends the prompt: its last draft token is the root
+                root_slots.append(len(tokens))
+                tokens.append(0)
         draft_ids = torch.tensor(tokens, device=dev)
         if done:
             draft_ids[torch.tensor(root_slots, device=dev)] = root

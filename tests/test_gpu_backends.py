@@ -103,6 +103,18 @@ def test_worker_lossless(backend, topk, ndt):
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("kv_scale", [1.0, 0.25])
+def test_worker_lossless_over_an_fp8_cache(kv_scale):
+    """triton_mla over an fp8_e4m3 cache with a per-tensor scale: the greedy outputs are the
+    target-only ones over the same cache."""
+    target, mtp = make_models("cuda", torch.float32)
+    cfg = SpecConfig(num_steps=3, attention_backend="triton_mla", kv_dtype="fp8_e4m3", kv_scale=kv_scale,
+                     page_size=16, max_batch_size=5, max_context_len=256)
+    groups = [(prompts(3, seed=4), 24), (prompts(2, seed=5), 16)]
+    outputs, _ = run_to_completion(EagleWorker(target, mtp, cfg), groups)
+    assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.float8_e4m3fn, kv_scale=kv_scale)
+
+
 @pytest.mark.parametrize("backend", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
 def test_blackwell_backends_refused_on_hopper(backend):
     if torch.cuda.get_device_capability()[0] == 10:
@@ -114,12 +126,17 @@ def test_blackwell_backends_refused_on_hopper(backend):
 
 
 def test_flashinfer_prefills_a_prompt_past_its_plan_capacity():
-    """At 128 heads FlashInfer's prefill plan holds 16384 prompt tokens; a 17000-token prompt
-    prefills in two passes (worker and target-only alike) and decodes losslessly."""
+    """FlashInfer's prefill plan holds 16384 work items: at 128 heads a query tile per token, and
+    split kv adds more. A 16385-token prompt and 127 of 129 tokens prefill in passes of
+    max_prefill_tokens (the second holds the long prompt's last token after its 16k cached ones,
+    which FlashInfer splits) and decode losslessly, in the worker and target-only alike."""
     target, mtp = make_models("cuda", torch.float32, num_attention_heads=128, max_position_embeddings=32768)
-    prompt = torch.randint(0, VOCAB, (17000,), generator=torch.Generator().manual_seed(6)).tolist()
+    g = torch.Generator().manual_seed(6)
+    group = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in [16385] + [129] * 127]
     cfg = SpecConfig(num_steps=3, attention_backend="flashinfer_mla", kv_dtype="bf16", page_size=64,
-                     max_batch_size=1, max_context_len=17088)
+                     max_batch_size=128, max_context_len=16448, num_pages=1024)
     worker = EagleWorker(target, mtp, cfg)
-    outputs, _ = run_to_completion(worker, [([prompt], 12)])
-    assert outputs == greedy_generate(target, [prompt], 12, backend="flashinfer_mla", page_size=64, kv_dtype=torch.bfloat16)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert worker.target_prefill_backend.max_prefill_tokens == 16384 - 128 - sm
+    outputs, _ = run_to_completion(worker, [(group, 4)])
+    assert outputs == greedy_generate(target, group, 4, backend="flashinfer_mla", page_size=64, kv_dtype=torch.bfloat16)

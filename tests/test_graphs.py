@@ -139,8 +139,9 @@ def _pad(live: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.gpu
 def test_a_replaced_state_field_reaches_the_graphs():
-    """The runner skips copying the last replay's own state back into its static inputs; a field
-    of that state replaced by another tensor is copied (the tree's root is the new token)."""
+    """The runner skips copying the last replay's own state back into its static inputs. A field
+    of that state replaced by another tensor is copied (the tree's root is the new token), and the
+    next step's state is the graph's again: a batch change after it stays lossless."""
     target, worker = gpu_worker("triton_mla")
     runner = GraphRunner(worker, [1, 2, 4], progress=False)
     worker.add_requests(prompts(3, seed=3), 20)
@@ -148,10 +149,22 @@ def test_a_replaced_state_field_reaches_the_graphs():
     worker._reserve_pages()
     st, trows, drows = worker.step_inputs()
     assert st is runner._resident[0]
-    root = (st.root + 1) % target.config.vocab_size
-    st.root = root
+    st.root = (st.root + 1) % target.config.vocab_size
     _, _, tree = runner.run(st, trows, drows)
-    assert torch.equal(tree.tokens[:, 0], root)
+    assert torch.equal(tree.tokens[:, 0], st.root)
+
+    target, worker = gpu_worker("triton_mla")
+    GraphRunner(worker, [1, 2, 4], progress=False)
+    group = prompts(3, seed=3)
+    reqs = worker.add_requests(group, 20)
+    worker.step()
+    worker.state.root = worker.state.root.clone()  # equal values, another tensor
+    worker.step()
+    late = worker.add_requests([[5, 6, 7]], 4)
+    while worker.requests:
+        worker.step()
+    assert [r.output for r in reqs + late] == reference(target, [(group, 20), ([[5, 6, 7]], 4)], backend="triton_mla",
+                                                        kv_dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

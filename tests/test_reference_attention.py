@@ -186,5 +186,7 @@ def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    # Chunks of padding alone still hand the kernel a non-empty sequence (the request of no tokens).
-    assert len(ChunkedDecodeBackend.kv_lens) == 4 and min(min(lens) for lens in ChunkedDecodeBackend.kv_lens) >= 1
+    # Four chunks of 3 columns, requests right-aligned: a chunk with a request's tokens sees its kv up
+    # to the chunk's last column; a chunk of padding alone sees one kv row, neither the request's
+    # cached prefix (request 2's 3 tokens) nor an empty sequence (request 1, no new tokens).
+    assert ChunkedDecodeBackend.kv_lens == [[1, 1, 1, 2], [3, 1, 1, 5], [6, 1, 1, 8], [9, 1, 4, 11]]

@@ -323,6 +323,19 @@ def test_prefill_runs_in_passes_of_at_most_max_prefill_tokens(target, mtp, draft
     assert all(sum(q) <= 6 for q, _ in draft_passes)
 
 
+def test_a_prefill_backend_that_takes_fewer_tokens_gets_passes_of_its_size(target, mtp):
+    """A prefill backend's max_prefill_tokens (flashinfer_mla's plan capacity) caps the passes
+    below SpecConfig.max_prefill_tokens: the same passes as a config cap of that size."""
+    lengths = [3, 4, 9, 2, 2]
+    group = [p[:n] for p, n in zip(prompts(5, seed=8), lengths)]
+    capped = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=5, max_context_len=64, max_prefill_tokens=6))
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=5, max_context_len=64))
+    worker.draft_prefill_backend.max_prefill_tokens = 6
+    passes = [[[(r.rid, s, n) for r, s, n in pieces] for pieces in w._prefill_passes(w.add_requests(group, 2))]
+              for w in (capped, worker)]
+    assert passes[0] == passes[1] and len(passes[0]) == 4
+
+
 def test_prefill_pieces_cover_the_prompts_in_order_within_the_cap():
     """prefill_pieces over random lengths and caps: the pieces spell every prompt in order, no pass
     holds two pieces of one prompt, and every pass costs at most the cap unless it is one piece."""
