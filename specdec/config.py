@@ -8,6 +8,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from attn.registry import (
     BackendChoice, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
     resolve_backends,
@@ -145,9 +147,16 @@ class SpecConfig:
             raise ConfigError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be 'auto' or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if not (is_real(self.kv_scale) and math.isfinite(self.kv_scale) and self.kv_scale > 0):
+        try:  # (float() overflows for an int past fp64)
+            finite = is_real(self.kv_scale) and math.isfinite(float(self.kv_scale)) and self.kv_scale > 0
+        except OverflowError:
+            finite = False
+        if not finite:
             raise ConfigError(f"kv_scale must be a finite number > 0, got {self.kv_scale!r}")
         self.kv_scale = float(self.kv_scale)
+        if not isinstance(self.enable_sampling, (bool, np.bool_)):
+            raise ConfigError(f"enable_sampling must be a bool, got {self.enable_sampling!r}")
+        self.enable_sampling = bool(self.enable_sampling)
         if self.kv_scale != 1.0 and self.kv_dtype != "fp8_e4m3":
             raise ConfigError(f"kv_scale {self.kv_scale} scales an fp8_e4m3 cache only; set kv_dtype='fp8_e4m3' or kv_scale=1.0")
         given_page_size = self.page_size
@@ -185,6 +194,10 @@ class SpecConfig:
     def _check_ints(self) -> None:
         for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len", "max_prefill_tokens"):
             setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))
+        if not isinstance(self.cuda_graph_batch_sizes, (list, tuple)):
+            raise ConfigError(f"cuda_graph_batch_sizes must be a list of ints, got {self.cuda_graph_batch_sizes!r}")
+        self.cuda_graph_batch_sizes = [require_int(bs, "cuda_graph_batch_sizes must be a list of ints", ConfigError)
+                                       for bs in self.cuda_graph_batch_sizes]
         for name in ("num_draft_tokens", "num_pages"):
             if getattr(self, name) is not None:
                 setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))

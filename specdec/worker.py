@@ -11,6 +11,7 @@ bookkeeping overlaps that last pass.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import numpy as np
@@ -41,6 +42,7 @@ class EagleWorker:
     def __init__(self, target: torch.nn.Module, draft: DraftModel, config: SpecConfig) -> None:
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
+        config = copy.deepcopy(config)  # the worker's own: later edits of the caller's reach nothing sized from it
         config.validate()  # again: a config may have been changed since it was built
         self.config = config
         self.target, self.draft = target, draft
@@ -112,9 +114,12 @@ class EagleWorker:
         if eos_token_id is not None:
             eos_token_id = require_int(eos_token_id, "eos_token_id must be one int or None")
             validate_token_ids([eos_token_id], vocab)
-        sampling = sampling or [SamplingParams()] * len(prompts)
+        sampling = [SamplingParams()] * len(prompts) if sampling is None else list(sampling)
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        for i, params in enumerate(sampling):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(params).__name__}")
         if not cfg.enable_sampling and any(p.temperature > 0 for p in sampling):
             raise ValueError("temperature > 0 needs SpecConfig(enable_sampling=True) (rejection-sampling verification)")
         if len(self.requests) + len(prompts) > cfg.max_batch_size:
@@ -124,10 +129,14 @@ class EagleWorker:
             if not prompt:
                 raise ValueError("empty prompt: a request needs at least one token")
             validate_token_ids(prompt, vocab)
-            if len(prompt) + max_new_tokens + cfg.spec_headroom > cfg.max_context_len:
+            # One new token comes from the prefill (the draft's pool also holds it when standalone);
+            # more take spec steps, which need the headroom.
+            need = len(prompt) + (max_new_tokens + cfg.spec_headroom if max_new_tokens > 1 else self.draft_offset)
+            if need > cfg.max_context_len:
+                headroom = f" + {cfg.spec_headroom} spec headroom" if max_new_tokens > 1 else ""
                 raise ValueError(
-                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} + {cfg.spec_headroom} spec "
-                    f"headroom exceed max_context_len {cfg.max_context_len}; raise max_context_len or shorten the request"
+                    f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens}{headroom} exceed max_context_len "
+                    f"{cfg.max_context_len}; raise max_context_len or shorten the request"
                 )
         new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         try:

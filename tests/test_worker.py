@@ -10,6 +10,7 @@ from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.models import DeepseekV3ForCausalLM
+from specdec.sampling import SamplingParams
 from specdec.kv import OutOfPagesError
 from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, prompts, reference, run_to_completion, tiny_config
@@ -132,6 +133,8 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
         (([[1.5, 2.0]], 4), {}, "prompt tokens must be ints"),
         (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
         (([[1, 2]], 4), dict(eos_token_id=2**63), "token ids must lie in"),
+        (([[1, 2], [3]], 4), dict(sampling=[SamplingParams(), None]), r"sampling\[1\] must be a SamplingParams, got NoneType"),
+        (([[1, 2], [3]], 4), dict(sampling=[]), "got 0 SamplingParams for 2 prompts"),
     ]:
         with pytest.raises(ValueError, match=needle):
             worker.add_requests(*args, **kwargs)
@@ -410,3 +413,34 @@ def test_kv_scale_reaches_both_pools_of_an_fp8_cache(target, mtp):
             SpecConfig(kv_dtype="fp8_e4m3", kv_scale=bad)
     with pytest.raises(ConfigError, match="scales an fp8_e4m3 cache only"):
         SpecConfig(kv_dtype="bf16", kv_scale=2.0)
+
+
+@pytest.mark.parametrize("draft_mode", ["eagle", "standalone"])
+def test_a_request_of_one_new_token_needs_only_its_prompt(target, mtp, draft_mode):
+    """max_new_tokens=1 ends at the prefill: no spec headroom. An EAGLE draft admits a prompt of
+    max_context_len tokens; a standalone draft, whose pool also holds the first output, one less."""
+    draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
+    worker = EagleWorker(target, draft, SpecConfig(num_steps=2, draft_mode=draft_mode, max_batch_size=2, max_context_len=64))
+    longest = 64 - (draft_mode == "standalone")
+    prompt = (prompts(1, seed=13)[0] * 8)[:longest]
+    with pytest.raises(ValueError, match="exceed max_context_len 64"):
+        worker.add_requests([prompt + [1]], 1)
+    with pytest.raises(ValueError, match="spec headroom exceed"):
+        worker.add_requests([prompt], 2)
+    req, = worker.add_requests([prompt], 1)
+    assert req.finished and req.output == greedy_generate(target, [prompt], 1)[0]
+    assert free_pages(worker) == (worker.config.pool_pages - 1,) * 2
+
+
+def test_the_worker_keeps_its_own_config(target, mtp):
+    """Edits of the caller's SpecConfig after the worker is built change nothing in the worker
+    (its pools and backends were sized from it): it still runs a request to the end losslessly."""
+    cfg = SpecConfig(num_steps=2, max_batch_size=2, max_context_len=64)
+    worker = EagleWorker(target, mtp, cfg)
+    cfg.max_context_len, cfg.num_steps, cfg.num_draft_tokens = 256, 3, 4
+    group = [prompts(1, seed=14)[0][:10]]
+    with pytest.raises(ValueError, match="exceed max_context_len 64"):
+        worker.add_requests(group, 100)
+    req, = worker.add_requests(group, 50)
+    drain(worker)
+    assert req.output == greedy_generate(target, group, 50)[0]
