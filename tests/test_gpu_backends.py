@@ -103,6 +103,30 @@ def test_worker_lossless(backend, topk, ndt):
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("kv_scale", [0.25, 4.0])
+def test_triton_mla_over_a_scaled_fp8_pool_matches_torch_ref(q_len, kv_scale):
+    """Verify passes over an fp8_e4m3 pool with a kv_scale: triton_mla against torch_ref."""
+    lens, page = [37, 300, 1000], 64
+    pool = MLAKVPool(1, 40, page, 3, 1088, torch.float8_e4m3fn, "cuda", kv_scale=kv_scale)
+    rows = [pool.alloc_request() for _ in lens]
+    for row, n in zip(rows, lens):
+        pool.ensure_capacity(row, n)
+    pool.kv_buffers[0].copy_((torch.randn(pool.kv_buffers[0].shape, device="cuda") * 2).to(torch.float8_e4m3fn))
+    seq = torch.tensor(lens, device="cuda")
+    batch = uniform_batch(ForwardMode.TARGET_VERIFY, pool.req_to_token, torch.tensor(rows, device="cuda"), seq - q_len,
+                          q_len, seq)
+    spec = LayerSpec(num_heads=16, sm_scale=192**-0.5)
+    q = torch.randn(batch.num_tokens, 16, 576, device="cuda", dtype=torch.bfloat16)
+    kv_new = torch.randn(batch.num_tokens, 576, device="cuda", dtype=torch.bfloat16) * kv_scale
+    outs = []
+    for name in ("torch_ref", "triton_mla"):
+        backend = get_backend_class(name)(pool.view(), spec, 4, 8)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, kv_new, 0, batch).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-2 * max(kv_scale, 1.0), rtol=2e-2)
+
+
 @pytest.mark.parametrize("kv_scale", [1.0, 0.25])
 def test_worker_lossless_over_an_fp8_cache(kv_scale):
     """triton_mla over an fp8_e4m3 cache with a per-tensor scale: the greedy outputs are the

@@ -16,7 +16,9 @@ def test_slots_follow_pages_and_page_zero_is_never_handed_out():
     pages = slots // 4
     assert (pages > 0).all()
     assert torch.equal(slots % 4, torch.arange(10) % 4)
-    assert torch.equal(pages[::4], pages[torch.arange(0, 10, 4)])  # block table = req_to_token[:, ::page_size] // page_size
+    # Every slot is on its page of the block table (req_to_token[:, ::page_size] // page_size).
+    table = pool.req_to_token[row, ::4].long() // 4
+    assert torch.equal(slots.long(), table.repeat_interleave(4)[:10] * 4 + torch.arange(10) % 4)
     assert len(set(pages.tolist())) == 3
 
 

@@ -190,3 +190,38 @@ def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
     # to the chunk's last column; a chunk of padding alone sees one kv row, neither the request's
     # cached prefix (request 2's 3 tokens) nor an empty sequence (request 1, no new tokens).
     assert ChunkedDecodeBackend.kv_lens == [[1, 1, 1, 2], [3, 1, 1, 5], [6, 1, 1, 8], [9, 1, 4, 11]]
+
+
+def plain_causal(q, kv, scale):
+    """Causal attention of q ``[T, H, 576]`` over kv ``[T, 576]`` fp32 (the first 512 columns are V)."""
+    causal = torch.tril(torch.ones(q.shape[0], kv.shape[0], dtype=torch.bool))
+    s = torch.einsum("thd,kd->thk", q, kv) * scale
+    return torch.softmax(s.masked_fill(~causal[:, None], float("-inf")), -1) @ kv[:, :512]
+
+
+def test_reference_dequantises_an_fp8_cache_with_its_scale():
+    """paged_mla_reference over an fp8 cache reads kv * kv_scale: plain attention over the dequantised rows."""
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(6, 576, generator=g) * 4).to(torch.float8_e4m3fn)
+    cache = kv.view(6, 1, 576)  # page size 1, identity table
+    q = torch.randn(6, 2, 576, generator=g)
+    got = paged_mla_reference(q, cache, torch.arange(6, dtype=torch.int32)[None], torch.tensor([6], dtype=torch.int32),
+                              torch.tensor([0, 6], dtype=torch.int32), 6, 0.05, kv_scale=0.25)
+    torch.testing.assert_close(got, plain_causal(q, kv.float() * 0.25, 0.05), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_ref_backend_over_a_scaled_fp8_pool():
+    """TorchRefBackend over a pool with kv_scale 4 stores kv / 4 in e4m3 and attends to it times 4."""
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float8_e4m3fn, kv_scale=4.0)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 6)
+    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.05), max_batch_size=2, max_q_len=1)
+    g = torch.Generator().manual_seed(1)
+    kv_new, q = torch.randn(6, 576, generator=g) * 8, torch.randn(6, 2, 576, generator=g)
+    loc = pool.req_to_token[row, :6].long()
+    batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([6], dtype=torch.int32), loc,
+                      torch.tensor([0, 6], dtype=torch.int32), 6, False)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, kv_new, 0, batch)
+    stored = (kv_new / 4.0).to(torch.float8_e4m3fn).float() * 4.0  # what the cache holds, dequantised
+    torch.testing.assert_close(out, plain_causal(q, stored, 0.05), rtol=1e-5, atol=1e-5)

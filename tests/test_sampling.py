@@ -3,9 +3,14 @@
 import pytest
 import torch
 
+from spec_helpers import make_models
+from specdec.baseline import greedy_generate, sequence_logits
+from specdec.config import SpecConfig
+from specdec.draft import StandaloneDraft
 from specdec.sampling import SamplingParams, hash_uniform, target_probs, tree_rejection_sample
 from specdec.tree import DraftTree, topk_probs
 from specdec.verify import greedy_accept
+from specdec.worker import EagleWorker
 
 N = 40_000  # samples, one batch row each; TV bound below is ~6 standard errors
 
@@ -120,12 +125,6 @@ def test_worker_samples_the_target_distribution(topk, ndt):
     """The first two sampled tokens of many seeded requests (identity draft, so drafts are often
     accepted) follow the target's own sampling distribution; greedy requests in the same batches
     still get exactly the greedy output."""
-    from spec_helpers import make_models
-    from specdec.baseline import greedy_generate, sequence_logits
-    from specdec.config import SpecConfig
-    from specdec.draft import StandaloneDraft
-    from specdec.sampling import SamplingParams
-    from specdec.worker import EagleWorker
 
     vocab, temp, prompt = 6, 0.9, [1, 2, 3, 4, 5]
     target, _ = make_models(vocab_size=vocab)
@@ -158,3 +157,26 @@ def test_worker_samples_the_target_distribution(topk, ndt):
     counts = torch.bincount(pairs_t[:, 0] * vocab + pairs_t[:, 1], minlength=vocab * vocab).double()
     # ~5750 samples over 36 cells: the expected TV of an exact sampler is about 0.03.
     assert tv(counts, joint) < 0.06
+
+
+def test_each_step_draws_new_uniforms():
+    """Every spec step draws fresh random numbers (DecodeState.counter advances). A target whose
+    logits are all equal samples i.i.d. uniform tokens at temperature 1, so consecutive emitted
+    tokens agree with probability 1 / vocab; a step that reused the previous step's uniforms would
+    emit the same token every step."""
+    vocab, n, max_new = 6, 64, 12
+    target, _ = make_models(vocab_size=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.zero_()  # every logit 0: the target's distribution is uniform
+    cfg = SpecConfig(num_steps=1, topk=1, draft_mode="standalone", enable_sampling=True, max_batch_size=n,
+                     max_context_len=64)
+    worker = EagleWorker(target, StandaloneDraft(target), cfg)
+    reqs = worker.add_requests([[1, 2, 3]] * n, max_new,
+                               sampling=[SamplingParams(temperature=1.0, seed=s) for s in range(n)])
+    while worker.requests:
+        worker.step()
+    tokens = torch.tensor([r.output[1:] for r in reqs])  # the step-emitted tokens
+    same = (tokens[:, 1:] == tokens[:, :-1]).double().mean().item()
+    assert abs(same - 1 / vocab) < 0.06, same  # ~700 pairs: sd ~0.014
+    counts = torch.bincount(tokens.flatten(), minlength=vocab).double()
+    assert (counts / counts.sum() - 1 / vocab).abs().max() < 0.04

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from attn.paged import PagedMLABackend
 from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
+from specdec.kv import OutOfPagesError
 from specdec.models import DeepseekV3ForCausalLM
 from specdec.sampling import SamplingParams
-from specdec.kv import OutOfPagesError
 from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, prompts, reference, run_to_completion, tiny_config
 
@@ -372,10 +373,12 @@ def test_target_only_prefill_in_passes_matches_one_pass(target, monkeypatch):
 @pytest.mark.parametrize("draft_mode,topk,num_steps,ndt", [
     ("eagle", 1, 3, None), ("eagle", 2, 3, 6), ("eagle", 4, 3, 5), ("standalone", 1, 3, None), ("standalone", 4, 3, 5),
 ])
-def test_a_request_that_fills_its_context_exactly_runs_to_the_end(target, mtp, draft_mode, topk, num_steps, ndt):
+def test_a_request_that_fills_its_context_exactly_runs_to_the_end(target, mtp, monkeypatch, draft_mode, topk, num_steps,
+                                                                  ndt):
     """A prompt of max_context_len - max_new_tokens - spec_headroom tokens is admitted, its last
-    step runs at N = prompt + max_new_tokens - 2 with every write inside the context (the pools
-    refuse more), and it decodes the greedy tokens; one token more is refused."""
+    step runs at N = prompt + max_new_tokens - 2 and some pass attends to the whole context, every
+    write inside it (the pools refuse more: the headroom is neither short nor long), and it decodes
+    the greedy tokens; one token more is refused."""
     draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
     cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, draft_mode=draft_mode, max_batch_size=1,
                      max_context_len=64)
@@ -385,12 +388,18 @@ def test_a_request_that_fills_its_context_exactly_runs_to_the_end(target, mtp, d
     prompt = prompt[:64 - max_new - cfg.spec_headroom]
     with pytest.raises(ValueError, match="exceed max_context_len"):
         worker.add_requests([prompt + [1]], max_new)
+    kv_ends = []  # every pass's longest kv (its new tokens included), target and draft alike
+    init = PagedMLABackend.init_forward_metadata
+    monkeypatch.setattr(PagedMLABackend, "init_forward_metadata",
+                        lambda self, batch, *args, **kwargs: kv_ends.append(int(batch.seq_lens.max()))
+                        or init(self, batch, *args, **kwargs))
     req, = worker.add_requests([prompt], max_new)
     seen = []
     while worker.requests:
         seen.append(req.seq_len)
         worker.step()
     assert max(seen) == len(prompt) + max_new - 2
+    assert max(kv_ends) == cfg.max_context_len
     assert req.output == greedy_generate(target, [prompt], max_new)[0]
 
 
