@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -194,10 +195,13 @@ class SpecConfig:
     def _check_ints(self) -> None:
         for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len", "max_prefill_tokens"):
             setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))
-        if not isinstance(self.cuda_graph_batch_sizes, (list, tuple)):
-            raise ConfigError(f"cuda_graph_batch_sizes must be a list of ints, got {self.cuda_graph_batch_sizes!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if isinstance(sizes, np.ndarray):
+            sizes = sizes.tolist()
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+            raise ConfigError(f"cuda_graph_batch_sizes must be a list of ints, got {sizes!r}")
         self.cuda_graph_batch_sizes = [require_int(bs, "cuda_graph_batch_sizes must be a list of ints", ConfigError)
-                                       for bs in self.cuda_graph_batch_sizes]
+                                       for bs in sizes]
         for name in ("num_draft_tokens", "num_pages"):
             if getattr(self, name) is not None:
                 setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))

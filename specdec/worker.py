@@ -37,7 +37,11 @@ KV_BOUND_GAP = 64  # kv rows within which EagleWorker.kv_len_buckets keeps one b
 
 
 class EagleWorker:
-    """Runs EAGLE (or standalone-draft) speculative decoding for a changing batch of requests."""
+    """Runs EAGLE (or standalone-draft) speculative decoding for a changing batch of requests.
+
+    The worker keeps its own validated copy of the SpecConfig (``worker.config``): later edits of
+    the caller's object reach nothing, and the backends' adjustments (a Blackwell page size) show
+    in the copy only."""
 
     def __init__(self, target: torch.nn.Module, draft: DraftModel, config: SpecConfig) -> None:
         param = next(target.parameters())

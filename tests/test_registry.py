@@ -90,6 +90,7 @@ def test_config_errors_name_the_setting():
         (dict(cuda_graph_batch_sizes=None), "cuda_graph_batch_sizes must be a list of ints"),
         (dict(cuda_graph_batch_sizes=[2.5]), "cuda_graph_batch_sizes must be a list of ints"),
         (dict(cuda_graph_batch_sizes=[True]), "cuda_graph_batch_sizes must be a list of ints"),
+        (dict(cuda_graph_batch_sizes="12"), "cuda_graph_batch_sizes must be a list of ints"),
         (dict(enable_sampling="no"), "enable_sampling must be a bool"),
         (dict(kv_dtype="fp8_e4m3", kv_scale=10**400), "kv_scale must be a finite number"),
         (dict(attention_backend="cutedsl_mla", page_size=64, max_context_len=192), "multiple of 128; raise it to 256"),
@@ -123,3 +124,9 @@ def test_config_page_size_adjusted_for_blackwell():
     with pytest.warns(UserWarning):
         cfg = SpecConfig(attention_backend="trtllm_mla", page_size=16, max_context_len=512)
     assert cfg.page_size == 64 and cfg.pool_pages == cfg.max_batch_size * 8 + 1
+
+
+def test_graph_batch_sizes_take_any_sequence_of_ints():
+    """A range, a tuple or a numpy array of batch sizes becomes a list of Python ints."""
+    for sizes in (range(1, 4), (1, 2, 3), np.array([1, 2, 3])):
+        assert SpecConfig(cuda_graph_batch_sizes=sizes).cuda_graph_batch_sizes == [1, 2, 3]
