@@ -146,7 +146,7 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[int, Optional[int]], _Captured] = {}  # (bucket, kv bound)
         self._views: dict[tuple, tuple] = {}  # (batch size, bucket, kv bound) -> (result, state, tree) views
-        # (state, its fields, target_rows, draft_rows) the static inputs hold: the last replay's views
+        # (state fields, target_rows, draft_rows) the static inputs hold: the last replay's views
         self._resident: Optional[tuple] = None
         self.capture_seconds = self._capture_all(progress)
         worker.graph_runner = self
@@ -229,9 +229,9 @@ class GraphRunner:
         bucket = pick_bucket(self.buckets, b)
         if bucket is None:  # above the largest bucket: only with eager_fallback (checked at construction)
             return None
-        resident = self._resident  # the last step's own views need no copy, unless a field was replaced
-        if (resident is None or resident[0] is not state or resident[2] is not target_rows or resident[3] is not draft_rows
-                or any(now is not then for now, then in zip(vars(state).values(), resident[1]))):
+        inputs = (*vars(state).values(), target_rows, draft_rows)
+        # The last step's own views need no copy, unless a field was replaced by another tensor.
+        if self._resident is None or any(now is not then for now, then in zip(inputs, self._resident)):
             self.static.fill({"target_rows": target_rows, "draft_rows": draft_rows, **vars(state)}, bucket)
         if self.host_planned:
             self.worker.plan_passes_on_host(self.worker.host_seq_lens(bucket))
@@ -239,7 +239,7 @@ class GraphRunner:
         self.replay(bucket, kv_bound=bound)
         result, state, tree = self._views.get((b, bucket, bound)) or self._make_views(b, bucket, bound)
         state = replace(state)  # a new object each step: a caller's edit of it stays its own
-        self._resident = (state, tuple(vars(state).values()), target_rows, draft_rows)
+        self._resident = (*vars(state).values(), target_rows, draft_rows)
         return result, state, tree
 
     def replay(self, bucket: int, kind: Optional[str] = None, kv_bound: Optional[int] = None) -> None:

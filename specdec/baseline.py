@@ -9,7 +9,7 @@ import torch
 
 from attn.base import ForwardMode
 from attn.registry import get_backend_class
-from specdec.batch import MAX_PREFILL_TOKENS, extend_batch, extend_positions, prefill_pieces, uniform_batch
+from specdec.batch import MAX_PREFILL_TOKENS, extend_batch, extend_positions, prefill_cap, prefill_pieces, uniform_batch
 from specdec.kv import MLAKVPool
 
 
@@ -32,8 +32,7 @@ class _Session:
         lens = [len(p) for p in prompts]
         self.last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B] each prompt's last token
         hidden = []  # passes of at most MAX_PREFILL_TOKENS (or the backend's max) tokens, a long prompt over several
-        cap = min(MAX_PREFILL_TOKENS, self.attn.max_prefill_tokens or MAX_PREFILL_TOKENS)
-        for pieces in prefill_pieces(lens, cap):
+        for pieces in prefill_pieces(lens, prefill_cap(MAX_PREFILL_TOKENS, [self.attn])):
             starts, sizes = [s for _, s, _ in pieces], [n for _, _, n in pieces]
             batch = extend_batch(self.pool.req_to_token, [rows[i] for i, _, _ in pieces], starts, sizes)
             self.attn.init_forward_metadata(batch)

@@ -13,15 +13,10 @@ from attn.base import AttnBatch, ForwardMode, const_arange
 MAX_PREFILL_TOKENS = 16384
 
 
-def ragged_arange(lengths: list[int]) -> torch.Tensor:
-    """``[0..n0), [0..n1), ...`` concatenated (host): positions of packed prefill tokens."""
-    return torch.cat([torch.arange(n) for n in lengths])
-
-
 def extend_positions(starts: list[int], lengths: list[int]) -> torch.Tensor:
     """``[starts[0]..starts[0] + lengths[0]), ...`` concatenated (host int64): the kv positions of
     a prefill pass's packed tokens."""
-    return torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), torch.tensor(lengths)) + ragged_arange(lengths)
+    return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
 
 
 def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -70,6 +65,12 @@ def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int],
     return AttnBatch(
         ForwardMode.EXTEND, row_t, seq_lens.to(device), out_cache_loc, cu, max(lengths), False,
     )
+
+
+def prefill_cap(max_tokens: int, backends: list) -> int:
+    """Tokens a prefill pass may take: max_tokens, or fewer where one of the passes' attention
+    backends takes fewer (its ``max_prefill_tokens``; None: any)."""
+    return min([max_tokens, *(b.max_prefill_tokens for b in backends if b.max_prefill_tokens is not None)])
 
 
 def prefill_pieces(lengths: list[int], max_tokens: int, extra_last: int = 0) -> list[list[tuple[int, int, int]]]:

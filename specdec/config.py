@@ -155,11 +155,11 @@ class SpecConfig:
         if not finite:
             raise ConfigError(f"kv_scale must be a finite number > 0, got {self.kv_scale!r}")
         self.kv_scale = float(self.kv_scale)
+        if self.kv_scale != 1.0 and self.kv_dtype != "fp8_e4m3":
+            raise ConfigError(f"kv_scale {self.kv_scale} scales an fp8_e4m3 cache only; set kv_dtype='fp8_e4m3' or kv_scale=1.0")
         if not isinstance(self.enable_sampling, (bool, np.bool_)):
             raise ConfigError(f"enable_sampling must be a bool, got {self.enable_sampling!r}")
         self.enable_sampling = bool(self.enable_sampling)
-        if self.kv_scale != 1.0 and self.kv_dtype != "fp8_e4m3":
-            raise ConfigError(f"kv_scale {self.kv_scale} scales an fp8_e4m3 cache only; set kv_dtype='fp8_e4m3' or kv_scale=1.0")
         given_page_size = self.page_size
         try:
             choice = self.backends

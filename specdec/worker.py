@@ -21,7 +21,7 @@ from attn.base import AttnBatch, ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
-from specdec.batch import extend_batch, extend_positions, host_to_device, prefill_pieces, uniform_batch
+from specdec.batch import extend_batch, extend_positions, host_to_device, prefill_cap, prefill_pieces, uniform_batch
 from specdec.config import ConfigError, SpecConfig, require_int
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
@@ -195,8 +195,7 @@ class EagleWorker:
         where a prefill backend takes fewer): (request, start, length) pieces
         (specdec.batch.prefill_pieces); the draft's pass is the longer, by draft_offset a finished
         prompt."""
-        limits = (b.max_prefill_tokens for b in (self.target_prefill_backend, self.draft_prefill_backend))
-        cap = min([self.config.max_prefill_tokens, *(n for n in limits if n is not None)])
+        cap = prefill_cap(self.config.max_prefill_tokens, [self.target_prefill_backend, self.draft_prefill_backend])
         cuts = prefill_pieces([len(r.prompt) for r in new], cap, self.draft_offset)
         return [[(new[i], start, n) for i, start, n in pieces] for pieces in cuts]
 

@@ -148,7 +148,7 @@ def test_a_replaced_state_field_reaches_the_graphs():
     worker.step()
     worker._reserve_pages()
     st, trows, drows = worker.step_inputs()
-    assert st is runner._resident[0]
+    assert all(a is b for a, b in zip((*vars(st).values(), trows, drows), runner._resident, strict=True))
     st.root = (st.root + 1) % target.config.vocab_size
     _, _, tree = runner.run(st, trows, drows)
     assert torch.equal(tree.tokens[:, 0], st.root)
