@@ -9,7 +9,7 @@ import torch
 
 from attn.base import ForwardMode
 from attn.registry import get_backend_class
-from specdec.batch import MAX_PREFILL_TOKENS, extend_batch, extend_positions, prefill_cap, prefill_pieces, uniform_batch
+from specdec.batch import MAX_PREFILL_TOKENS, extend_pass, prefill_cap, prefill_pieces, uniform_batch
 from specdec.kv import MLAKVPool
 
 
@@ -33,11 +33,10 @@ class _Session:
         self.last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B] each prompt's last token
         hidden = []  # passes of at most MAX_PREFILL_TOKENS (or the backend's max) tokens, a long prompt over several
         for pieces in prefill_pieces(lens, prefill_cap(MAX_PREFILL_TOKENS, [self.attn])):
-            starts, sizes = [s for _, s, _ in pieces], [n for _, _, n in pieces]
-            batch = extend_batch(self.pool.req_to_token, [rows[i] for i, _, _ in pieces], starts, sizes)
+            batch, ids, positions = extend_pass(self.pool.req_to_token, [rows[i] for i, _, _ in pieces],
+                                                [s for _, s, _ in pieces], [prompts[i][s:s + n] for i, s, n in pieces])
             self.attn.init_forward_metadata(batch)
-            ids = torch.tensor([t for i, s, n in pieces for t in prompts[i][s:s + n]], device=self.device)
-            hidden.append(model(ids, extend_positions(starts, sizes).to(self.device), self.attn, batch))
+            hidden.append(model(ids, positions, self.attn, batch))
         self.prefill_hidden = torch.cat(hidden)  # [T, D], the prompts' tokens in order
 
     def decode(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

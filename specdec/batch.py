@@ -50,14 +50,16 @@ def uniform_batch(
     return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask, max_kv_len)
 
 
-def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int]) -> AttnBatch:
+def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int],
+                 positions: Optional[torch.Tensor] = None) -> AttnBatch:
     """A prefill pass: request ``rows[i]`` gets ``lengths[i]`` new tokens from kv index ``starts[i]``.
 
     Host lists (prefill sizes are known on the host); tensors are built on req_to_token's device.
+    positions: the tokens' kv indices ``[T]`` int64 there (extend_positions), where the caller has them.
     """
     device = req_to_token.device
     row_t = torch.tensor(rows, dtype=torch.long, device=device)
-    index = extend_positions(starts, lengths).to(device)
+    index = extend_positions(starts, lengths).to(device) if positions is None else positions
     row_of_token = torch.repeat_interleave(row_t, torch.tensor(lengths, device=device))
     out_cache_loc = req_to_token[row_of_token, index].long()
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
@@ -65,6 +67,18 @@ def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int],
     return AttnBatch(
         ForwardMode.EXTEND, row_t, seq_lens.to(device), out_cache_loc, cu, max(lengths), False,
     )
+
+
+def extend_pass(req_to_token: torch.Tensor, rows: list[int], starts: list[int],
+                tokens: list[list[int]]) -> tuple[AttnBatch, torch.Tensor, torch.Tensor]:
+    """A prefill pass that stores ``tokens[i]`` at kv indices ``starts[i]..`` of request ``rows[i]``:
+    its batch (extend_batch), token ids and positions (``[T]`` int64 each, packed in order), on
+    req_to_token's device."""
+    device = req_to_token.device
+    lengths = [len(piece) for piece in tokens]
+    positions = extend_positions(starts, lengths).to(device)
+    ids = torch.tensor([t for piece in tokens for t in piece], dtype=torch.long, device=device)
+    return extend_batch(req_to_token, rows, starts, lengths, positions), ids, positions
 
 
 def prefill_cap(max_tokens: int, backends: list) -> int:

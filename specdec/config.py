@@ -56,7 +56,9 @@ class SpecConfig:
 
     num_steps: draft forwards per step (tree depth). topk: branches kept per draft step.
     num_draft_tokens: verified tree nodes per request, the root (last verified token) included;
-        must be num_steps + 1 for topk = 1, at most ``1 + topk + (num_steps - 1) * topk**2`` otherwise.
+        must be num_steps + 1 for topk = 1 (None, the default, derives it and stores it here: so
+        ``dataclasses.replace(cfg, num_steps=n, num_draft_tokens=None)`` for a chain of another
+        depth), at most ``1 + topk + (num_steps - 1) * topk**2`` otherwise.
     draft_mode: "eagle" (MTP/EAGLE head fed the target's hidden states) or "standalone"
         (an ordinary LM of the target's architecture).
     attention_backend: target backend (verify, decode). decode_backend: the draft's multi-step
@@ -136,8 +138,9 @@ class SpecConfig:
             raise ConfigError(f"topk ({self.topk}) must not exceed num_draft_tokens ({self.num_draft_tokens})")
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
             raise ConfigError(
-                f"with topk=1 the tree is a chain: num_draft_tokens must be num_steps + 1 = {self.num_steps + 1}, "
-                f"got {self.num_draft_tokens}"
+                f"with topk=1 the tree is a chain: num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} "
+                f"or None (derived), got {self.num_draft_tokens} (a copy by dataclasses.replace keeps the value "
+                f"derived for the old num_steps: pass num_draft_tokens=None with the new one)"
             )
         if self.num_draft_tokens - 1 > self.max_tree_candidates or self.num_draft_tokens < 2:
             raise ConfigError(

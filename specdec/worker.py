@@ -21,7 +21,7 @@ from attn.base import AttnBatch, ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
-from specdec.batch import extend_batch, extend_positions, host_to_device, prefill_cap, prefill_pieces, uniform_batch
+from specdec.batch import extend_pass, host_to_device, prefill_cap, prefill_pieces, uniform_batch
 from specdec.config import ConfigError, SpecConfig, require_int
 from specdec.draft import DraftModel
 from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
@@ -205,10 +205,10 @@ class EagleWorker:
         (sampled as a verify would); draft pass; their first draft candidates. Returns their
         DecodeState (None when no prompt ends in this pass)."""
         dev, off = self.device, self.draft_offset
-        starts, lens = [s for _, s, _ in pieces], [n for _, _, n in pieces]
-        ids = torch.tensor([t for r, s, n in pieces for t in r.prompt[s:s + n]], device=dev)
-        batch = extend_batch(self.target_pool.req_to_token, [r.target_row for r, _, _ in pieces], starts, lens)
-        hidden = self._forward(self.target, self.target_prefill_backend, batch, ids, extend_positions(starts, lens).to(dev))
+        starts = [s for _, s, _ in pieces]
+        batch, ids, positions = extend_pass(self.target_pool.req_to_token, [r.target_row for r, _, _ in pieces], starts,
+                                            [r.prompt[s:s + n] for r, s, n in pieces])
+        hidden = self._forward(self.target, self.target_prefill_backend, batch, ids, positions)
         ending = [k for k, (r, s, n) in enumerate(pieces) if s + n == len(r.prompt)]
         done = [pieces[k][0] for k in ending]
         if done:
@@ -220,20 +220,20 @@ class EagleWorker:
         # The draft sees (prompt + [root])[1 - off:] at positions 0..: a piece's draft tokens are
         # (prompt + [root])[s + 1 - off : s + n + 1 - off], plus the root after a standalone
         # draft's last piece. Every root slot is known on the host.
-        draft_lens = [n + (off if k in ending else 0) for k, n in enumerate(lens)]
-        tokens, root_slots = [], []
-        for (r, s, _), dn in zip(pieces, draft_lens):
-            piece = r.prompt[s + 1 - off:s + 1 - off + dn]
-            tokens += piece
-            if len(piece) < dn:  # the piece ends the prompt: its last draft token is the root
-                root_slots.append(len(tokens))
-                tokens.append(0)
-        draft_ids = torch.tensor(tokens, device=dev)
+        tokens, root_slots, packed = [], [], 0
+        for k, (r, s, n) in enumerate(pieces):
+            piece = r.prompt[s + 1 - off:s + 1 - off + n]
+            if k in ending:  # the piece ends the prompt: its last draft token is the root
+                piece = piece + [0]
+                root_slots.append(packed + len(piece) - 1)
+            tokens.append(piece)
+            packed += len(piece)
+        dbatch, draft_ids, dpositions = extend_pass(self.draft_pool.req_to_token, [r.draft_row for r, _, _ in pieces],
+                                                    starts, tokens)
         if done:
             draft_ids[torch.tensor(root_slots, device=dev)] = root
-        dbatch = extend_batch(self.draft_pool.req_to_token, [r.draft_row for r, _, _ in pieces], starts, draft_lens)
-        dhidden = self._forward(self.draft, self.draft_prefill_backend, dbatch, draft_ids,
-                                extend_positions(starts, draft_lens).to(dev), hidden if off == 0 else None)
+        dhidden = self._forward(self.draft, self.draft_prefill_backend, dbatch, draft_ids, dpositions,
+                                hidden if off == 0 else None)
         if not done:
             return None
         dlast = dbatch.cu_seqlens_q[1:].long()[ending] - 1
