@@ -17,6 +17,8 @@ import torch
 KV_LORA_RANK = 512
 QK_ROPE_DIM = 64
 KV_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576
+# Cache dtypes by the names backends list (kv_dtypes) and SpecConfig.kv_dtype takes.
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class ForwardMode(enum.Enum):
@@ -62,6 +64,15 @@ class KVCacheView:
     req_to_token: torch.Tensor
     page_size: int
     kv_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Backends write a pass's rows through a [num_pages * page_size, 576] view of each buffer:
+        # of another layout (e.g. one layer's slice of a page-first pool) that would be a copy,
+        # and the writes would be lost.
+        for layer, buf in enumerate(self.kv_buffers):
+            if buf.dim() != 3 or tuple(buf.shape[1:]) != (self.page_size, KV_DIM) or not buf.is_contiguous():
+                raise ValueError(f"KVCacheView: layer {layer}'s kv buffer must be a contiguous [num_pages, "
+                                 f"{self.page_size}, {KV_DIM}] tensor, got shape {tuple(buf.shape)} strides {buf.stride()}")
 
     @property
     def max_context_len(self) -> int:

@@ -39,6 +39,9 @@ class MultiStepDraftBackend:
 
     def init_forward_metadata(self, batches: list[AttnBatch]) -> None:
         """One batch per draft forward, same requests; the first builds the shared block table."""
+        if len(batches) != len(self.steps):
+            raise ValueError(f"{self.backend_cls.name} multi-step draft: {len(self.steps)} draft forwards take one batch "
+                             f"each, got {len(batches)}")
         first = self.steps[0]
         first.init_forward_metadata(batches[0])
         for backend, batch in zip(self.steps[1:], batches[1:]):

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_DIM, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange
+from attn.base import KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange
 from attn.workspace import get_workspace
 
 
@@ -90,6 +90,10 @@ class PagedMLABackend:
             skipped = f", except {self.skipped_heads.start}-{self.skipped_heads.stop - 1}" if self.skipped_heads else ""
             raise ValueError(f"{self.name} takes up to {self.max_heads} query heads{skipped}, not {heads} (the "
                              "model's heads on this rank); pick another attention backend")
+        dtype = kv.kv_buffers[0].dtype
+        if not any(KV_DTYPES.get(name) == dtype for name in self.kv_dtypes):
+            raise ValueError(f"{self.name} takes kv caches of {[n for n in self.kv_dtypes if n != 'auto']}, not {dtype}; "
+                             "pick another kv dtype or attention backend")
         self.kv = kv
         self.layer = layer
         self.page_size = kv.page_size
@@ -120,7 +124,7 @@ class PagedMLABackend:
         if bs > self.max_batch_size or shapes != ((bs,), (bs,), (bs + 1,)):
             raise ValueError(f"{self.name}: a batch of {bs} (at most max_batch_size={self.max_batch_size}) needs "
                              f"req_pool_indices and seq_lens [{bs}] and cu_seqlens_q [{bs + 1}], got {shapes}")
-        if batch.max_kv_len is not None and not (isinstance(batch.max_kv_len, int) and batch.max_kv_len >= 1):
+        if batch.max_kv_len is not None and not (type(batch.max_kv_len) is int and batch.max_kv_len >= 1):
             raise ValueError(f"{self.name}: max_kv_len must be None or an int >= 1, got {batch.max_kv_len!r}")
         tables = shared_block_tables
         if tables is None:
@@ -166,7 +170,7 @@ class PagedMLABackend:
         md = self.metadata
         cache = self.kv.kv_buffers[layer_id]
         self._write_kv(cache, kv_new, batch.out_cache_loc)
-        if batch.uniform_q_len:
+        if self._decode_kernel_takes(batch):
             bs, q_len = batch.batch_size, batch.max_q_len
             out = self._run_decode_kernel(
                 q.view(bs, q_len, *q.shape[1:]), cache, md.block_tables, md.seq_lens, md.max_seq_len, batch.custom_mask
@@ -174,20 +178,38 @@ class PagedMLABackend:
             return out.reshape(q.shape[0], q.shape[1], KV_LORA_RANK)
         return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
 
+    def _decode_kernel_takes(self, batch: AttnBatch) -> bool:
+        """Whether the pass goes to the decode kernel in one call: uniform query lengths the kernel
+        takes (max_decode_q_len). A longer uniform prefill goes to the prefill kernel's chunks."""
+        return batch.uniform_q_len and (self.max_decode_q_len is None or batch.max_q_len <= self.max_decode_q_len)
+
     def _check_pass(self, q: torch.Tensor, kv_new: torch.Tensor, batch: AttnBatch) -> None:
         """What forward can check on the host, all before its cache write, so that a refused pass
         leaves the cache as it was. The device metadata (cu_seqlens_q[-1] == the token count,
         q_lens <= max_q_len) is not checked: that would sync."""
         if self.metadata is None:
             raise RuntimeError(f"{self.name}: init_forward_metadata was not called before forward")
+        if self.metadata.seq_lens.shape[0] != batch.batch_size:
+            raise ValueError(f"{self.name}: the metadata was built for a batch of {self.metadata.seq_lens.shape[0]} "
+                             f"requests, this pass has {batch.batch_size}; call init_forward_metadata with its batch")
         heads, tokens = self.layer.num_heads, batch.num_tokens
         if q.dim() != 3 or tuple(q.shape[1:]) != (heads, KV_DIM):
             raise ValueError(f"{self.name}: q must be [tokens, {heads}, {KV_DIM}], got {tuple(q.shape)}")
+        if q.stride(2) != 1:
+            raise ValueError(f"{self.name}: q's last dim must be contiguous, got strides {q.stride()}")
         if q.shape[0] != tokens or tuple(kv_new.shape) != (tokens, KV_DIM):
             raise ValueError(f"{self.name}: a pass of {tokens} new tokens (out_cache_loc) needs {tokens} query rows "
                              f"and kv rows [{tokens}, {KV_DIM}], got {q.shape[0]} and {tuple(kv_new.shape)}")
-        if not batch.uniform_q_len and (batch.mode is not ForwardMode.EXTEND or not self.supports_prefill):
-            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND)")
+        served = {ForwardMode.EXTEND: self.supports_prefill, ForwardMode.DRAFT_EXTEND: self.supports_draft_extend}
+        if not served.get(batch.mode, True):
+            fallback = f"; {self.prefill_fallback} serves it (attn.registry)" if self.prefill_fallback else ""
+            raise ValueError(f"{self.name} runs no {batch.mode.value} pass{fallback}")
+        if not batch.uniform_q_len and batch.mode is not ForwardMode.EXTEND:
+            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND), "
+                             f"not {batch.mode.value}")
+        if batch.mode is not ForwardMode.EXTEND and not self._decode_kernel_takes(batch):
+            raise ValueError(f"{self.name}: its decode kernel takes at most {self.max_decode_q_len} query tokens a "
+                             f"request, this {batch.mode.value} pass has {batch.max_q_len}")
         if batch.uniform_q_len and tokens != batch.batch_size * batch.max_q_len:
             raise ValueError(f"{self.name}: {batch.batch_size} requests of {batch.max_q_len} query tokens need "
                              f"{batch.batch_size * batch.max_q_len} query rows, got {tokens}")
@@ -204,6 +226,8 @@ class PagedMLABackend:
                              f"got {tuple(mask.shape)} {mask.dtype}")
         if mask.device != q.device:
             raise ValueError(f"{self.name}: the tree mask is on {mask.device}, the query on {q.device}")
+        if mask.stride(2) != 1:
+            raise ValueError(f"{self.name}: the tree mask's last dim must be contiguous, got strides {mask.stride()}")
 
     def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:
         if cache.dtype == torch.float8_e4m3fn:

@@ -53,9 +53,11 @@ def paged_mla_reference(
     batch_size, max_pages = block_tables.shape
     max_kv = max_pages * page_size
 
-    # Gather every request's kv rows up to the static table width: [B, max_kv, 576].
+    # Gather every request's kv rows up to the static table width: [B, max_kv, 576]. Pages past a
+    # request's length may hold anything (never read, as in the kernels): slot 0 stands in for them.
     offsets = torch.arange(max_kv, device=q.device)
     slots = block_tables.long()[:, offsets // page_size] * page_size + offsets % page_size
+    slots = torch.where(offsets[None, :] < seq_lens.long()[:, None], slots, 0)
     kv = kv_cache.reshape(-1, KV_DIM)[slots].float() * kv_scale
 
     req, idx = token_to_request(cu_seqlens_q, num_tokens)

@@ -11,12 +11,12 @@ from typing import Optional
 
 import numpy as np
 
+from attn.base import KV_DTYPES
 from attn.registry import (
     BackendChoice, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
     resolve_backends,
 )
 from specdec.batch import MAX_PREFILL_TOKENS
-from specdec.kv import KV_DTYPES
 
 
 class ConfigError(ValueError):

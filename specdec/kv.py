@@ -15,8 +15,6 @@ import torch
 
 from attn.base import KV_DIM, KVCacheView
 
-KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
-
 PADDING_PAGE = 0
 PADDING_ROW = 0
 

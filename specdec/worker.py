@@ -17,14 +17,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attn.base import AttnBatch, ForwardMode, const_arange
+from attn.base import KV_DTYPES, AttnBatch, ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_pass, host_to_device, prefill_cap, prefill_pieces, uniform_batch
 from specdec.config import ConfigError, SpecConfig, require_int
 from specdec.draft import DraftModel
-from specdec.kv import KV_DTYPES, MLAKVPool, OutOfPagesError
+from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample
 from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attn.base import KV_DTYPES
 from attn.cutedsl_mla import CuteDslMLABackend
 from attn.paged import PagedMLABackend, RaggedKernelBackend
 from attn.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
 from attn.torch_ref import TorchRefBackend
 from attn.trtllm_mla import TrtllmMLABackend
 from specdec.config import SpecConfig
-from specdec.kv import KV_DTYPES
 from specdec.worker import EagleWorker
 from spec_helpers import prompts, reference, run_to_completion
 
@@ -166,3 +166,53 @@ def test_flashinfer_call_binds_to_the_installed_signature(monkeypatch, cls):
         assert counters[0].numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(2, 16, 148)
     else:
         assert counters == [None, None]
+
+
+@pytest.mark.parametrize("cls,dtype", [(TrtllmMLABackend, torch.bfloat16), (TokenspeedMLABackend, torch.float8_e4m3fn)])
+def test_uniform_prefill_longer_than_the_decode_kernel_takes_goes_in_chunks(kernel_calls, cls, dtype):
+    """A prefill (EXTEND) pass of uniform query lengths (one request's prompt is one) longer than the
+    decode kernel's max_decode_q_len runs the paged prefill's chunks, as a ragged one does, and
+    attends as the reference does; a verify pass of that length is refused before the cache write."""
+    from attn.base import AttnBatch, ForwardMode, LayerSpec
+    from specdec.kv import MLAKVPool
+
+    pool = MLAKVPool(1, 4, 32, 2, 64, dtype)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 20)
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(20, 16, 576, generator=g), torch.randn(20, 576, generator=g)
+    loc = pool.req_to_token[row, :20].long()
+    outs = []
+    for backend_cls, uniform in ((TorchRefBackend, False), (cls, True)):
+        batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([20], dtype=torch.int32), loc,
+                          torch.tensor([0, 20], dtype=torch.int32), 20, uniform)
+        backend = backend_cls(pool.view(), LayerSpec(16, 0.1), 2, 4)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, kv, 0, batch))
+    assert {n for _, n in kernel_calls} == {cls.max_decode_q_len} and len(kernel_calls) == 3
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    verify = AttnBatch(ForwardMode.TARGET_VERIFY, torch.tensor([row]), torch.tensor([20], dtype=torch.int32), loc,
+                       torch.tensor([0, 20], dtype=torch.int32), 20, True)
+    backend.init_forward_metadata(verify)
+    cache = pool.kv_buffers[0].clone()
+    with pytest.raises(ValueError, match=f"takes at most {cls.max_decode_q_len} query tokens a request, this "
+                                         "target_verify pass has 20"):
+        backend.forward(q, kv * 2, 0, verify)
+    assert torch.equal(pool.kv_buffers[0].view(torch.uint8), cache.view(torch.uint8))
+
+
+def test_cutedsl_refuses_prefill_naming_its_fallback(kernel_calls):
+    from attn.base import AttnBatch, ForwardMode, LayerSpec
+    from specdec.kv import MLAKVPool
+
+    pool = MLAKVPool(1, 4, 64, 2, 128, torch.bfloat16)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 4)
+    backend = CuteDslMLABackend(pool.view(), LayerSpec(16, 0.1), 2, 4)
+    for uniform in (False, True):
+        batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([4], dtype=torch.int32),
+                          pool.req_to_token[row, :4].long(), torch.tensor([0, 4], dtype=torch.int32), 4, uniform)
+        backend.init_forward_metadata(batch)
+        with pytest.raises(ValueError, match="cutedsl_mla runs no extend pass; trtllm_mla serves it"):
+            backend.forward(torch.randn(4, 16, 576), torch.randn(4, 576), 0, batch)
+    assert kernel_calls == [] and not pool.kv_buffers[0].any()

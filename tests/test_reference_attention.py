@@ -141,8 +141,19 @@ def test_refused_passes_leave_the_cache_and_metadata_as_they_were():
         backend.forward(torch.randn(1, 2, 576), torch.randn(2, 576), 0, dataclasses.replace(ragged, custom_mask=None))
     backend.init_forward_metadata(batch)
     metadata = backend.metadata
-    with pytest.raises(ValueError, match="max_kv_len must be None or an int >= 1"):
-        backend.init_forward_metadata(dataclasses.replace(batch, max_kv_len=0))
+    for bad in (0, True):
+        with pytest.raises(ValueError, match="max_kv_len must be None or an int >= 1"):
+            backend.init_forward_metadata(dataclasses.replace(batch, max_kv_len=bad))
+    mask = torch.ones(1, 4, 2, dtype=torch.bool).transpose(1, 2)  # [1, 2, 4], last dim strided
+    with pytest.raises(ValueError, match="tree mask's last dim must be contiguous"):
+        backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, dataclasses.replace(batch, custom_mask=mask))
+    with pytest.raises(ValueError, match="q's last dim must be contiguous"):
+        backend.forward(torch.randn(2, 576, 2).transpose(1, 2), torch.randn(2, 576), 0, batch)
+    decode = AttnBatch(ForwardMode.DECODE, torch.tensor([row, row]), torch.tensor([5, 6], dtype=torch.int32), loc,
+                       torch.tensor([0, 1, 2], dtype=torch.int32), 1, True)
+    with pytest.raises(ValueError, match="metadata was built for a batch of 1 requests, this pass has 2"):
+        backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, decode)
+    assert backend.metadata is metadata
     three = AttnBatch(ForwardMode.TARGET_VERIFY, torch.tensor([row] * 3), torch.tensor([6] * 3, dtype=torch.int32),
                       loc, torch.tensor([0, 2, 4, 6], dtype=torch.int32), 2, True)
     with pytest.raises(ValueError, match="at most max_batch_size=2"):
@@ -225,3 +236,56 @@ def test_torch_ref_backend_over_a_scaled_fp8_pool():
     out = backend.forward(q, kv_new, 0, batch)
     stored = (kv_new / 4.0).to(torch.float8_e4m3fn).float() * 4.0  # what the cache holds, dequantised
     torch.testing.assert_close(out, plain_causal(q, stored, 0.05), rtol=1e-5, atol=1e-5)
+
+
+def test_table_entries_past_a_request_are_never_read():
+    """The kernels' contract: block-table entries past a request's pages may hold anything (an
+    engine's own tables); the reference reads none of them."""
+    g = torch.Generator().manual_seed(4)
+    kv_cache = torch.randn(8, 4, 576, generator=g)
+    seq_lens, cu = torch.tensor([5, 0], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    clean = torch.tensor([[3, 6, 0, 0], [0, 0, 0, 0]], dtype=torch.int32)
+    stale = torch.tensor([[3, 6, 1 << 20, -7], [1 << 20, -1, 99, 5]], dtype=torch.int32)
+    q = torch.randn(2, 2, 576, generator=g)
+    got = paged_mla_reference(q, kv_cache, stale, seq_lens, cu, 1, 0.1)
+    torch.testing.assert_close(got, naive(q, kv_cache, clean, seq_lens, cu, 0.1), rtol=1e-5, atol=1e-5)
+
+
+def test_cache_views_backends_could_not_write_through_are_refused():
+    """Backends write through a rows view of each layer's buffer: one layer's slice of a page-first
+    pool is not one (the writes went to a copy and were lost), so the view refuses it up front."""
+    from attn.base import KVCacheView
+
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
+    page_first = torch.zeros(8, 2, 4, 576)  # [pages, layers, page_size, 576]
+    with pytest.raises(ValueError, match="layer 1's kv buffer must be a contiguous \\[num_pages, 4, 576\\]"):
+        KVCacheView([pool.kv_buffers[0], page_first[:, 1]], pool.req_to_token, 4)
+    with pytest.raises(ValueError, match="must be a contiguous \\[num_pages, 8, 576\\]"):
+        KVCacheView(pool.kv_buffers, pool.req_to_token, 8)
+
+
+def test_backends_refuse_caches_of_dtypes_their_kernel_does_not_take():
+    from attn.triton_mla import TritonMLABackend
+
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="triton_mla takes kv caches of .*not torch.float32"):
+        TritonMLABackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=2, max_q_len=1)
+
+
+def test_multi_step_draft_takes_one_batch_per_draft_forward():
+    from attn.multistep import MultiStepDraftBackend
+
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 12)
+    draft = MultiStepDraftBackend(TorchRefBackend, pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), 2, num_steps=4, topk=1)
+
+    def step(n: int) -> AttnBatch:
+        return AttnBatch(ForwardMode.DECODE, torch.tensor([row]), torch.tensor([n], dtype=torch.int32),
+                         pool.req_to_token[row, n - 1:n].long(), torch.tensor([0, 1], dtype=torch.int32), 1, True)
+
+    draft.init_forward_metadata([step(5), step(6), step(7)])
+    assert [b.metadata.seq_lens.tolist() for b in draft.steps] == [[5], [6], [7]]
+    for count in (1, 6):  # too few left later steps with the last spec step's metadata; too many were cut
+        with pytest.raises(ValueError, match=f"3 draft forwards take one batch each, got {count}"):
+            draft.init_forward_metadata([step(8 + k % 3) for k in range(count)])
