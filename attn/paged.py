@@ -200,8 +200,8 @@ class PagedMLABackend:
         if q.shape[0] != tokens or tuple(kv_new.shape) != (tokens, KV_DIM):
             raise ValueError(f"{self.name}: a pass of {tokens} new tokens (out_cache_loc) needs {tokens} query rows "
                              f"and kv rows [{tokens}, {KV_DIM}], got {q.shape[0]} and {tuple(kv_new.shape)}")
-        served = {ForwardMode.EXTEND: self.supports_prefill, ForwardMode.DRAFT_EXTEND: self.supports_draft_extend}
-        if not served.get(batch.mode, True):
+        if ((batch.mode is ForwardMode.EXTEND and not self.supports_prefill)
+                or (batch.mode is ForwardMode.DRAFT_EXTEND and not self.supports_draft_extend)):
             fallback = f"; {self.prefill_fallback} serves it (attn.registry)" if self.prefill_fallback else ""
             raise ValueError(f"{self.name} runs no {batch.mode.value} pass{fallback}")
         if not batch.uniform_q_len and batch.mode is not ForwardMode.EXTEND:
