@@ -53,7 +53,7 @@ def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dty
 class KVCacheView:
     """The paged KV storage a backend reads and writes; owned by the engine (specdec.kv).
 
-    kv_buffers: one ``[num_pages, page_size, 576]`` tensor per layer (bf16, fp32, or fp8_e4m3).
+    kv_buffers: one contiguous ``[num_pages, page_size, 576]`` tensor per layer (bf16, fp16, fp32 or fp8_e4m3).
     req_to_token: ``[max_reqs, max_context_len]`` int32, token slot (page * page_size + offset)
         of each position of each request; positions of a request lie in its pages in order, so
         ``req_to_token[r, ::page_size] // page_size`` is its block table.
