@@ -78,8 +78,9 @@ class FlashInferMLABackend(PagedMLABackend):
 
     def _scheduled_wrapper(self, g: Fa3Geometry):
         """The wrapper of g's cluster size, planned once on the host for one request of g's
-        q_len: that compiles the kernel and publishes the workspace layout the device schedule
-        fills (FlashInfer's offsets are capacities, the same for every batch)."""
+        q_len (over the pages its q_len tokens fill: FlashInfer checks the count): that compiles
+        the kernel and publishes the workspace layout the device schedule fills (FlashInfer's
+        offsets are capacities, the same for every batch)."""
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
         wrapper = self._scheduled.get(g.cluster_size)
@@ -91,8 +92,10 @@ class FlashInferMLABackend(PagedMLABackend):
             qo_indptr=torch.zeros(2, dtype=torch.int32, device=device), kv_indptr=torch.zeros(2, dtype=torch.int32, device=device),
             kv_len_arr=torch.zeros(1, dtype=torch.int32, device=device),
         )
-        one = MLAPlanMetadata.csr(qo_indptr=torch.tensor([0, q_len], dtype=torch.int32), kv_indptr=torch.tensor([0, 1], dtype=torch.int32),
-                                  kv_indices=self._kv_indices[:1], kv_len_arr=torch.tensor([q_len], dtype=torch.int32))
+        pages = -(-q_len // self.page_size)
+        one = MLAPlanMetadata.csr(qo_indptr=torch.tensor([0, q_len], dtype=torch.int32),
+                                  kv_indptr=torch.tensor([0, pages], dtype=torch.int32),
+                                  kv_indices=self._kv_indices[:pages], kv_len_arr=torch.tensor([q_len], dtype=torch.int32))
         with torch.inference_mode():  # the wrapper's buffers are inference tensors wherever planning is first called from
             self._plan(wrapper, one)
         self._scheduled[g.cluster_size] = wrapper

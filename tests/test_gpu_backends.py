@@ -28,8 +28,8 @@ def filled_pool(page_size=64, lens=(37, 300, 1000)):
     return pool, rows, list(lens)
 
 
-def compare(backend_name, batch_fn, heads=16):
-    pool, rows, lens = filled_pool()
+def compare(backend_name, batch_fn, heads=16, page_size=64):
+    pool, rows, lens = filled_pool(page_size)
     spec = LayerSpec(num_heads=heads, sm_scale=192**-0.5)
     batch = batch_fn(pool, rows, lens)
     q = torch.randn(batch.num_tokens, heads, 576, device="cuda", dtype=torch.bfloat16)
@@ -65,6 +65,28 @@ def _extend(pool, rows, lens):
 ])
 def test_matches_torch_ref(backend, mode, batch_fn):
     compare(backend, batch_fn)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla"])
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_pages_smaller_than_the_verify_block(backend, page_size):
+    """A verify of 4 tokens over pages of fewer rows (flashinfer_mla planned its device-scheduled
+    wrapper over one page, which FlashInfer refused where q_len > page_size)."""
+    compare(backend, _uniform(ForwardMode.TARGET_VERIFY, 4), page_size=page_size)
+
+
+def test_flashinfer_schedule_compiles_once_per_power_of_two_of_requests(monkeypatch):
+    """Eager passes change batch size as requests finish: the device schedule's kernel must not
+    compile again for each size (it took the batch size as a compile-time constant)."""
+    from triton import knobs
+
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda fn, **kw: compiled.append(fn.name) and None)
+    pool, rows, lens = filled_pool(lens=(300,) * 8)
+    backend = get_backend_class("flashinfer_mla")(pool.view(), LayerSpec(num_heads=16, sm_scale=192**-0.5), 8, 1)
+    for bs in (5, 6, 7, 8):
+        backend.init_forward_metadata(_uniform(ForwardMode.DECODE, 1)(pool, rows[:bs], lens[:bs]))
+    assert compiled.count("_schedule_kernel") <= 1
 
 
 @pytest.mark.parametrize("heads", [16, 128])
