@@ -1,0 +1,173 @@
+"""The worker driven as an engine drives it, on random configurations, against target-only
+greedy decoding (CPU, torch_ref, fp32).
+
+Each seed draws a SpecConfig (chains and trees, EAGLE and standalone drafts, page sizes 1-32,
+prefill passes down to one token, small page pools) and runs waves of requests that join a running
+batch, with one-token and longest-admitted prompts, eos ids met mid-step, one-token requests,
+sampled requests beside greedy ones, aborts, step() and launch_step/finish_step, and recovery from
+OutOfPagesError by aborting. Checked: every greedy request's output is a prefix of target-only
+decoding's (cut after its eos) and all of it once finished unaborted; no request passes its
+limits; every pass writes kv only into its requests' own pages and attends within them; prefill
+passes keep to max_prefill_tokens; a refused admission changes nothing; every page comes back and
+the padding page is never written. (A 12,000-seed run of this kind found nothing; six bugs
+injected one at a time into the worker's limits, headroom, pass cuts, kv commit and page room
+each fail one of these 40 seeds.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from attn.paged import PagedMLABackend
+from specdec.baseline import greedy_generate
+from specdec.config import ConfigError, SpecConfig
+from specdec.draft import StandaloneDraft
+from specdec.kv import MLAKVPool, OutOfPagesError
+from specdec.models import DeepseekV3ForCausalLM
+from specdec.sampling import SamplingParams
+from specdec.worker import EagleWorker
+from spec_helpers import VOCAB, tiny_config
+
+_GREEDY: dict[tuple, list[int]] = {}  # (prompt, max_new) -> target-only output, shared by the seeds
+
+
+@pytest.fixture(scope="module")
+def drafts(target, mtp):
+    torch.manual_seed(5)
+    small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1)).eval()
+    return {"eagle": mtp, "target as draft": StandaloneDraft(target), "small lm": StandaloneDraft(small)}
+
+
+class Watch:
+    """The worker's pools and prefill pass size, and what the wrapped passes did wrong."""
+
+    def __init__(self) -> None:
+        self.pools: list[MLAKVPool] = []
+        self.max_prefill_tokens = 0
+        self.violations: list[str] = []
+
+
+@pytest.fixture
+def kv_writes(monkeypatch) -> Watch:
+    """Wraps every attention pass: records each pass whose new kv lands outside its requests'
+    pages, or whose kv length passes them, and each prefill pass of several pieces over
+    max_prefill_tokens (a pass of one piece may take a standalone draft's extra token)."""
+    watch = Watch()
+    forward = PagedMLABackend.forward
+
+    def checked_forward(self, q, kv_new, layer_id, batch):
+        pool = next((p for p in watch.pools if p.kv_buffers[0] is self.kv.kv_buffers[0]), None)
+        if layer_id == 0 and pool is not None:
+            if batch.mode.value == "extend" and batch.batch_size > 1 and batch.num_tokens > watch.max_prefill_tokens:
+                watch.violations.append(f"a prefill pass of {batch.num_tokens} tokens in {batch.batch_size} pieces")
+            cu, slots, seq_lens = batch.cu_seqlens_q.tolist(), batch.out_cache_loc.tolist(), batch.seq_lens.tolist()
+            for i, row in enumerate(batch.req_pool_indices.tolist()):
+                pages = set(pool._requests[row].pages)
+                if any(s // pool.page_size not in pages for s in slots[cu[i]:cu[i + 1]]) or seq_lens[i] > pool.capacity[row]:
+                    watch.violations.append(f"{batch.mode.value} pass of row {row}: slots {slots[cu[i]:cu[i + 1]]}, "
+                                            f"kv length {seq_lens[i]}, pages {sorted(pages)}")
+        return forward(self, q, kv_new, layer_id, batch)
+
+    monkeypatch.setattr(PagedMLABackend, "forward", checked_forward)
+    return watch
+
+
+def random_config(rng: random.Random) -> tuple[str, SpecConfig]:
+    while True:
+        draft = rng.choice(["eagle", "eagle", "target as draft", "small lm"])
+        num_steps, topk, page_size = rng.randint(1, 5), rng.choice([1, 1, 2, 3, 4]), rng.choice([1, 2, 4, 8, 16, 32])
+        max_ndt = min(1 + topk + (num_steps - 1) * topk**2, 16)
+        kw = dict(num_steps=num_steps, topk=topk, num_draft_tokens=None if topk == 1 else rng.randint(topk, max_ndt),
+                  draft_mode="eagle" if draft == "eagle" else "standalone", page_size=page_size,
+                  max_context_len=page_size * rng.randint(max(1, 8 // page_size), 192 // page_size),
+                  max_batch_size=rng.randint(1, 6), max_prefill_tokens=rng.choice([1, 2, 3, rng.randint(1, 48), 16384]),
+                  enable_sampling=rng.random() < 0.5)
+        if rng.random() < 0.3:  # a small pool: admissions and steps run out of pages
+            kw["num_pages"] = rng.randint(2, max(2, kw["max_batch_size"] * kw["max_context_len"] // page_size // 2))
+        try:
+            return draft, SpecConfig(**kw)
+        except ConfigError:
+            continue
+
+
+def expected(target, prompt: list[int], max_new: int, eos) -> list[int]:
+    key = (tuple(prompt), max_new)
+    if key not in _GREEDY:
+        _GREEDY[key] = greedy_generate(target, [prompt], max_new)[0]
+    out = _GREEDY[key]
+    return out[:out.index(eos) + 1] if eos in out else out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_engine_driven_worker_matches_target_only_decoding(seed, target, drafts, kv_writes):
+    rng = random.Random(seed)
+    draft, cfg = random_config(rng)
+    worker = EagleWorker(target, drafts[draft], cfg)
+    cfg, watch = worker.config, kv_writes
+    watch.pools += [worker.target_pool, worker.draft_pool]
+    watch.max_prefill_tokens = cfg.max_prefill_tokens
+    def free() -> tuple[int, int]:
+        return worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+
+    free_at_start, requests, aborted = free(), [], set()
+
+    def check() -> None:
+        assert not watch.violations, watch.violations[:3]
+        for req, eos, greedy in requests:
+            out = req.output
+            assert len(out) <= req.max_new_tokens and eos not in out[:-1], (req.rid, out)
+            if not req.finished:
+                assert len(out) < req.max_new_tokens and (not out or out[-1] != eos), (req.rid, out)
+            if greedy:
+                want = expected(target, req.prompt, req.max_new_tokens, eos)
+                assert out == want[:len(out)], (req.rid, out, want)
+                assert out == want or not req.finished or req.rid in aborted, (req.rid, out, want)
+
+    def abort(victims) -> None:
+        worker.abort(victims)
+        aborted.update(r.rid for r in victims)
+
+    def add_wave() -> None:
+        max_new = max(1, min(rng.choice([1, 2, 3, rng.randint(1, 48)]), cfg.max_context_len - cfg.spec_headroom - 1))
+        longest = cfg.max_context_len - (max_new + cfg.spec_headroom if max_new > 1 else worker.draft_offset)
+        lens = [rng.choice([1, longest, max(1, longest - 2), rng.randint(1, min(longest, 40))])
+                for _ in range(rng.randint(1, cfg.max_batch_size - len(worker.requests)))]
+        prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
+        eos = rng.choice([None, rng.randrange(VOCAB), rng.choice(expected(target, prompts[0], max_new, None))])
+        greedy = [not cfg.enable_sampling or rng.random() < 0.5 for _ in prompts]
+        sampling = [SamplingParams() if g else SamplingParams(temperature=rng.choice([1e-4, 0.7, 1.5]),
+                                                              top_p=rng.choice([1.0, 0.5]), top_k=rng.choice([0, 3]),
+                                                              seed=rng.randrange(2**40)) for g in greedy]
+        before = (list(worker.requests), free())
+        try:
+            new = worker.add_requests(prompts, max_new, eos_token_id=eos, sampling=sampling)
+        except OutOfPagesError:
+            assert (list(worker.requests), free()) == before, "a refused admission changed the batch"
+            if worker.requests:
+                abort([rng.choice(worker.requests)])
+            return
+        requests.extend((req, eos, g) for req, g in zip(new, greedy))
+
+    waves = rng.randint(1, 5)
+    while waves or worker.requests:
+        if waves and (not worker.requests or rng.random() < 0.35):
+            waves -= 1
+            if len(worker.requests) < cfg.max_batch_size:
+                add_wave()
+        elif rng.random() < 0.06:
+            abort(rng.sample(worker.requests, rng.randint(1, len(worker.requests))))
+        else:
+            try:
+                if rng.random() < 0.5:
+                    worker.step()
+                else:
+                    worker.finish_step(worker.launch_step())
+            except OutOfPagesError:
+                abort([rng.choice(worker.requests)])
+        check()
+    assert all(req.finished for req, _, _ in requests)
+    assert free() == free_at_start
+    assert not any(buf[0].any() for pool in watch.pools for buf in pool.kv_buffers), "the padding page was written"
