@@ -11,7 +11,7 @@ limits; every pass writes kv only into its requests' own pages and attends withi
 passes keep to max_prefill_tokens; a refused admission changes nothing; every page comes back and
 the padding page is never written. (A 12,000-seed run of this kind found nothing; six bugs
 injected one at a time into the worker's limits, headroom, pass cuts, kv commit and page room
-each fail one of these 40 seeds.)
+each fail at least one of these 40 seeds.)
 """
 
 from __future__ import annotations
