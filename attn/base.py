@@ -18,7 +18,8 @@ KV_LORA_RANK = 512
 QK_ROPE_DIM = 64
 KV_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576
 # Cache dtypes by the names backends list (kv_dtypes) and SpecConfig.kv_dtype takes.
-KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp64": torch.float64}
 
 
 class ForwardMode(enum.Enum):
@@ -53,7 +54,7 @@ def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dty
 class KVCacheView:
     """The paged KV storage a backend reads and writes; owned by the engine (specdec.kv).
 
-    kv_buffers: one contiguous ``[num_pages, page_size, 576]`` tensor per layer (bf16, fp16, fp32 or fp8_e4m3).
+    kv_buffers: one contiguous ``[num_pages, page_size, 576]`` tensor per layer (KV_DTYPES' dtypes).
     req_to_token: ``[max_reqs, max_context_len]`` int32, token slot (page * page_size + offset)
         of each position of each request; positions of a request lie in its pages in order, so
         ``req_to_token[r, ::page_size] // page_size`` is its block table.

@@ -119,7 +119,8 @@ def schedule_layout(g: Fa3Geometry, plan_info: list[int]) -> tuple[int, ...]:
 
 
 def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+    # NUM_REQ unspecialised: Triton would compile again for a batch of 1 and for multiples of 16.
+    return triton.jit(do_not_specialize=["NUM_REQ"])(fn) if triton is not None else fn
 
 
 @_jit

@@ -166,11 +166,12 @@ class PagedMLABackend:
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
-        self._check_pass(q, kv_new, batch)
+        direct = batch.uniform_q_len and (self.max_decode_q_len is None or batch.max_q_len <= self.max_decode_q_len)
+        self._check_pass(q, kv_new, batch, direct)
         md = self.metadata
         cache = self.kv.kv_buffers[layer_id]
         self._write_kv(cache, kv_new, batch.out_cache_loc)
-        if self._decode_kernel_takes(batch):
+        if direct:  # uniform query lengths the decode kernel takes: one call; a longer prefill goes in chunks
             bs, q_len = batch.batch_size, batch.max_q_len
             out = self._run_decode_kernel(
                 q.view(bs, q_len, *q.shape[1:]), cache, md.block_tables, md.seq_lens, md.max_seq_len, batch.custom_mask
@@ -178,15 +179,11 @@ class PagedMLABackend:
             return out.reshape(q.shape[0], q.shape[1], KV_LORA_RANK)
         return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
 
-    def _decode_kernel_takes(self, batch: AttnBatch) -> bool:
-        """Whether the pass goes to the decode kernel in one call: uniform query lengths the kernel
-        takes (max_decode_q_len). A longer uniform prefill goes to the prefill kernel's chunks."""
-        return batch.uniform_q_len and (self.max_decode_q_len is None or batch.max_q_len <= self.max_decode_q_len)
-
-    def _check_pass(self, q: torch.Tensor, kv_new: torch.Tensor, batch: AttnBatch) -> None:
+    def _check_pass(self, q: torch.Tensor, kv_new: torch.Tensor, batch: AttnBatch, direct: bool) -> None:
         """What forward can check on the host, all before its cache write, so that a refused pass
-        leaves the cache as it was. The device metadata (cu_seqlens_q[-1] == the token count,
-        q_lens <= max_q_len) is not checked: that would sync."""
+        leaves the cache as it was (direct: the pass goes to the decode kernel in one call). The
+        device metadata (cu_seqlens_q[-1] == the token count, q_lens <= max_q_len) is not checked:
+        that would sync."""
         if self.metadata is None:
             raise RuntimeError(f"{self.name}: init_forward_metadata was not called before forward")
         if self.metadata.seq_lens.shape[0] != batch.batch_size:
@@ -200,16 +197,17 @@ class PagedMLABackend:
         if q.shape[0] != tokens or tuple(kv_new.shape) != (tokens, KV_DIM):
             raise ValueError(f"{self.name}: a pass of {tokens} new tokens (out_cache_loc) needs {tokens} query rows "
                              f"and kv rows [{tokens}, {KV_DIM}], got {q.shape[0]} and {tuple(kv_new.shape)}")
-        if ((batch.mode is ForwardMode.EXTEND and not self.supports_prefill)
-                or (batch.mode is ForwardMode.DRAFT_EXTEND and not self.supports_draft_extend)):
+        mode = batch.mode
+        if (mode is ForwardMode.EXTEND and not self.supports_prefill) or (
+                mode is ForwardMode.DRAFT_EXTEND and not self.supports_draft_extend):
             fallback = f"; {self.prefill_fallback} serves it (attn.registry)" if self.prefill_fallback else ""
-            raise ValueError(f"{self.name} runs no {batch.mode.value} pass{fallback}")
-        if not batch.uniform_q_len and batch.mode is not ForwardMode.EXTEND:
-            raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND), "
-                             f"not {batch.mode.value}")
-        if batch.mode is not ForwardMode.EXTEND and not self._decode_kernel_takes(batch):
+            raise ValueError(f"{self.name} runs no {mode.value} pass{fallback}")
+        if not direct and mode is not ForwardMode.EXTEND:
+            if not batch.uniform_q_len:
+                raise ValueError(f"{self.name}: variable query lengths are only supported for prefill (EXTEND), "
+                                 f"not {mode.value}")
             raise ValueError(f"{self.name}: its decode kernel takes at most {self.max_decode_q_len} query tokens a "
-                             f"request, this {batch.mode.value} pass has {batch.max_q_len}")
+                             f"request, this {mode.value} pass has {batch.max_q_len}")
         if batch.uniform_q_len and tokens != batch.batch_size * batch.max_q_len:
             raise ValueError(f"{self.name}: {batch.batch_size} requests of {batch.max_q_len} query tokens need "
                              f"{batch.batch_size * batch.max_q_len} query rows, got {tokens}")

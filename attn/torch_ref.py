@@ -11,6 +11,7 @@ class TorchRefBackend(RaggedKernelBackend):
 
     name = "torch_ref"
     kernel_family = "torch_ref"
+    kv_dtypes = (*RaggedKernelBackend.kv_dtypes, "fp64")  # any cache dtype: attention math is fp32 regardless
 
     def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask,
                            max_seq_len):

@@ -65,7 +65,7 @@ class SpecConfig:
         backend (default: attention_backend). prefill_backend: prefill and draft-extend
         (default: attention_backend, or its family's fallback; see attn.registry).
     page_size: tokens per KV page; must divide max_context_len.
-    kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp32" or "fp8_e4m3".
+    kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp32", "fp8_e4m3", or "fp64" (torch_ref only).
     kv_scale: the per-tensor scale of an fp8_e4m3 cache, both pools: the cache stores kv / kv_scale
         (saturating at +-448) and the kernels scale back (a checkpoint's k_scale, or a calibration).
         1.0 for other kv dtypes.
@@ -99,9 +99,6 @@ class SpecConfig:
     max_prefill_tokens: int = MAX_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
-        self._check_ints()
-        if self.num_draft_tokens is None and self.topk == 1:
-            self.num_draft_tokens = self.num_steps + 1
         self.validate()
 
     @property
@@ -128,6 +125,8 @@ class SpecConfig:
         """Raise ConfigError naming the first invalid setting. EagleWorker validates again, so a
         config changed after construction is checked too."""
         self._check_ints()
+        if self.num_draft_tokens is None and self.topk == 1:
+            self.num_draft_tokens = self.num_steps + 1
         if self.num_steps < 1:
             raise ConfigError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.topk < 1:
@@ -139,8 +138,8 @@ class SpecConfig:
         if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
             raise ConfigError(
                 f"with topk=1 the tree is a chain: num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} "
-                f"or None (derived), got {self.num_draft_tokens} (a copy by dataclasses.replace keeps the value "
-                f"derived for the old num_steps: pass num_draft_tokens=None with the new one)"
+                f"or None (derived), got {self.num_draft_tokens} (a dataclasses.replace copy or an edit of num_steps "
+                f"keeps the value derived for the old one: set num_draft_tokens=None with the new one)"
             )
         if self.num_draft_tokens - 1 > self.max_tree_candidates or self.num_draft_tokens < 2:
             raise ConfigError(

@@ -270,6 +270,8 @@ def test_backends_refuse_caches_of_dtypes_their_kernel_does_not_take():
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="triton_mla takes kv caches of .*not torch.float32"):
         TritonMLABackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=2, max_q_len=1)
+    fp64 = MLAKVPool(1, 8, 4, 2, 16, torch.float64)  # the reference takes any (target-only decoding of an fp64 model)
+    TorchRefBackend(fp64.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=2, max_q_len=1)
 
 
 def test_multi_step_draft_takes_one_batch_per_draft_forward():

@@ -114,9 +114,12 @@ def test_config_copies_derive_their_own_pages_and_workers_revalidate():
     big = dataclasses.replace(small, max_batch_size=8, max_context_len=256)
     assert (small.pool_pages, big.pool_pages) == (2 * 4 + 1, 8 * 16 + 1)
     chain = SpecConfig(num_steps=3)  # num_draft_tokens derived (4): a copy of another depth derives its own
-    with pytest.raises(ConfigError, match="pass num_draft_tokens=None"):
+    with pytest.raises(ConfigError, match="set num_draft_tokens=None"):
         dataclasses.replace(chain, num_steps=5)
     assert dataclasses.replace(chain, num_steps=5, num_draft_tokens=None).num_draft_tokens == 6
+    chain.num_steps, chain.num_draft_tokens = 4, None  # edited in place: validate (as the worker does) derives it
+    chain.validate()
+    assert chain.num_draft_tokens == 5
     small.max_batch_size = 0  # changed after construction: the worker validates it again
     with pytest.raises(ConfigError, match="max_batch_size"):
         EagleWorker(torch.nn.Linear(1, 1), None, small)

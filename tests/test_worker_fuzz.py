@@ -5,13 +5,13 @@ Each seed draws a SpecConfig (chains and trees, EAGLE and standalone drafts, pag
 prefill passes down to one token, small page pools) and runs waves of requests that join a running
 batch, with one-token and longest-admitted prompts, eos ids met mid-step, one-token requests,
 sampled requests beside greedy ones, aborts, step() and launch_step/finish_step, and recovery from
-OutOfPagesError by aborting. Checked: every greedy request's output is a prefix of target-only
-decoding's (cut after its eos) and all of it once finished unaborted; no request passes its
-limits; every pass writes kv only into its requests' own pages and attends within them; prefill
-passes keep to max_prefill_tokens; a refused admission changes nothing; every page comes back and
-the padding page is never written. (A 12,000-seed run of this kind found nothing; six bugs
-injected one at a time into the worker's limits, headroom, pass cuts, kv commit and page room
-each fail at least one of these 40 seeds.)
+OutOfPagesError by aborting; then a last greedy request of several tokens alone. Checked: every
+greedy request's output is a prefix of target-only decoding's (cut after its eos) and all of it
+once finished unaborted; no request passes its limits; every pass writes kv only into its
+requests' own pages and attends within them; prefill passes keep to max_prefill_tokens; a refused
+admission changes nothing; every page comes back and the padding page is never written. (A
+12,000-seed run of this kind found nothing; six bugs injected one at a time into the worker's
+limits, headroom, pass cuts, kv commit and page room each fail at least one of these 40 seeds.)
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ def random_config(rng: random.Random) -> tuple[str, SpecConfig]:
                   max_context_len=page_size * rng.randint(max(1, 8 // page_size), 192 // page_size),
                   max_batch_size=rng.randint(1, 6), max_prefill_tokens=rng.choice([1, 2, 3, rng.randint(1, 48), 16384]),
                   enable_sampling=rng.random() < 0.5)
-        if rng.random() < 0.3:  # a small pool: admissions and steps run out of pages
-            kw["num_pages"] = rng.randint(2, max(2, kw["max_batch_size"] * kw["max_context_len"] // page_size // 2))
+        if rng.random() < 0.3:  # a small pool: admissions and steps run out of pages, one request alone fits
+            alone = 1 + kw["max_context_len"] // page_size
+            kw["num_pages"] = rng.randint(alone, max(alone, kw["max_batch_size"] * kw["max_context_len"] // page_size // 2))
         try:
             return draft, SpecConfig(**kw)
         except ConfigError:
@@ -130,14 +131,17 @@ def test_engine_driven_worker_matches_target_only_decoding(seed, target, drafts,
         worker.abort(victims)
         aborted.update(r.rid for r in victims)
 
-    def add_wave() -> None:
-        max_new = max(1, min(rng.choice([1, 2, 3, rng.randint(1, 48)]), cfg.max_context_len - cfg.spec_headroom - 1))
+    def add_wave(last: bool = False) -> None:
+        """Requests joining the batch; the last wave: one greedy request of several tokens, alone."""
+        max_new = rng.choice([1, 2, rng.randint(3, 48), rng.randint(3, 48)]) if not last else rng.randint(4, 24)
+        max_new = max(1, min(max_new, cfg.max_context_len - cfg.spec_headroom - 1))
         longest = cfg.max_context_len - (max_new + cfg.spec_headroom if max_new > 1 else worker.draft_offset)
         lens = [rng.choice([1, longest, max(1, longest - 2), rng.randint(1, min(longest, 40))])
-                for _ in range(rng.randint(1, cfg.max_batch_size - len(worker.requests)))]
+                for _ in range(1 if last else rng.randint(1, cfg.max_batch_size - len(worker.requests)))]
         prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
         eos = rng.choice([None, rng.randrange(VOCAB), rng.choice(expected(target, prompts[0], max_new, None))])
-        greedy = [not cfg.enable_sampling or rng.random() < 0.5 for _ in prompts]
+        greedy = [last or not cfg.enable_sampling or rng.random() < 0.5 for _ in prompts]
+        eos = None if last else eos
         sampling = [SamplingParams() if g else SamplingParams(temperature=rng.choice([1e-4, 0.7, 1.5]),
                                                               top_p=rng.choice([1.0, 0.5]), top_k=rng.choice([0, 3]),
                                                               seed=rng.randrange(2**40)) for g in greedy]
@@ -168,6 +172,11 @@ def test_engine_driven_worker_matches_target_only_decoding(seed, target, drafts,
             except OutOfPagesError:
                 abort([rng.choice(worker.requests)])
         check()
+    add_wave(last=True)
+    while worker.requests:
+        worker.step()
+        check()
     assert all(req.finished for req, _, _ in requests)
+    assert len(requests[-1][0].output) >= 2 and requests[-1][0].rid not in aborted, "no multi-token greedy output compared"
     assert free() == free_at_start
     assert not any(buf[0].any() for pool in watch.pools for buf in pool.kv_buffers), "the padding page was written"
