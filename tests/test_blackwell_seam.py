@@ -9,15 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn.base import KV_DTYPES
+from attn.base import KV_DTYPES, AttnBatch, ForwardMode, LayerSpec
 from attn.cutedsl_mla import CuteDslMLABackend
 from attn.paged import PagedMLABackend, RaggedKernelBackend
 from attn.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
 from attn.torch_ref import TorchRefBackend
 from attn.trtllm_mla import TrtllmMLABackend
-from specdec.config import SpecConfig
+from specdec.config import ConfigError, SpecConfig
+from specdec.kv import MLAKVPool
 from specdec.worker import EagleWorker
-from spec_helpers import prompts, reference, run_to_completion
+from spec_helpers import make_models, prompts, reference, run_to_completion
 
 BLACKWELL = (TrtllmMLABackend, CuteDslMLABackend, TokenspeedMLABackend)
 
@@ -95,9 +96,6 @@ def test_worker_build_refuses_what_the_kernels_would(mtp, kernel_calls):
     """Settings the library would refuse at the first pass are refused when the worker is built,
     naming the setting: an fp32 model's kv_dtype='auto', trtllm-gen's head counts 65-127 (which
     cute-dsl takes) and more than 128 heads."""
-    from specdec.config import ConfigError
-    from spec_helpers import make_models
-
     fp32_target, _ = make_models()
     with pytest.raises(ConfigError, match="kv_dtype='auto' is the model's dtype, fp32"):
         EagleWorker(fp32_target, mtp, SpecConfig(attention_backend="cutedsl_mla", page_size=64, max_context_len=128))
@@ -122,9 +120,6 @@ def test_tokenspeed_workspace_sized_from_sms_and_heads(target, mtp, kernel_calls
 
 
 def test_fp8_scales(target, kernel_calls):
-    from attn.base import LayerSpec
-    from specdec.kv import MLAKVPool
-
     pool = MLAKVPool(1, 4, 64, 1, 128, torch.float8_e4m3fn, kv_scale=0.5)
     backend = TrtllmMLABackend(pool.view(), LayerSpec(num_heads=4, sm_scale=0.125), 1, 4)
     assert backend.bmm1_scale() == 0.5 * 0.125 and backend.bmm2_scale() == 0.5
@@ -142,8 +137,6 @@ def test_flashinfer_call_binds_to_the_installed_signature(monkeypatch, cls):
     pytest.importorskip("flashinfer")
     import flashinfer.mla
     from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
-    from attn.base import LayerSpec
-    from specdec.kv import MLAKVPool
 
     real = flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla
     calls = []
@@ -173,8 +166,6 @@ def test_uniform_prefill_longer_than_the_decode_kernel_takes_goes_in_chunks(kern
     """A prefill (EXTEND) pass of uniform query lengths (one request's prompt is one) longer than the
     decode kernel's max_decode_q_len runs the paged prefill's chunks, as a ragged one does, and
     attends as the reference does; a verify pass of that length is refused before the cache write."""
-    from attn.base import AttnBatch, ForwardMode, LayerSpec
-    from specdec.kv import MLAKVPool
 
     pool = MLAKVPool(1, 4, 32, 2, 64, dtype)
     row = pool.alloc_request()
@@ -202,9 +193,6 @@ def test_uniform_prefill_longer_than_the_decode_kernel_takes_goes_in_chunks(kern
 
 
 def test_cutedsl_refuses_prefill_naming_its_fallback(kernel_calls):
-    from attn.base import AttnBatch, ForwardMode, LayerSpec
-    from specdec.kv import MLAKVPool
-
     pool = MLAKVPool(1, 4, 64, 2, 128, torch.bfloat16)
     row = pool.alloc_request()
     pool.ensure_capacity(row, 4)
