@@ -45,10 +45,11 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
 Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
 SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
 Measured and dropped (H100, graphs): 32-row kv tiles in 3 or 4 stages of 36 KB, to keep more kv in
-flight in the same shared memory (P [64, 32] in a stage's rope rows): slower on every shape tried,
-as QK^T at N = 32 reads the query tile once per 32 kv rows (32 x 4k x 128 heads 71.1 -> 86.4 us,
-128 x 16k x 128 heads 1004 -> 1266, 128 x 1k x 16 heads x q_len 4 64.5 -> 64.7). The softmax's
-share at 128 heads, as a bound: with its arithmetic removed (P = the raw scores, wrong results)
+flight in the same shared memory (P [64, 32] in a stage's rope rows): slower or no faster on every
+shape tried, as QK^T at N = 32 reads the query tile once per 32 kv rows (32 x 4k x 128 heads
+71.1 -> 86.4 us, 128 x 16k x 128 heads 1004 -> 1266, 128 x 1k x 16 heads x q_len 4 64.5 -> 64.7). The
+softmax's share at 128 heads, as a bound (another H100, whose baselines ran slower): with its
+arithmetic removed (P = the raw scores, wrong results)
 128 x 16k x 128 heads ran 1071 -> 972 us (0.75 -> 0.83 of the roofline), 32 x 4k 75.7 -> 70.2
 (0.66 -> 0.72), 128 x 1k 81.8 -> 78.2 (0.61 -> 0.64); hiding it under the other warpgroup's
 wgmma (FlashMLA's seesaw) could gain no more, short of 0.8 where contexts are short.

@@ -135,7 +135,8 @@ def test_engine_driven_worker_matches_target_only_decoding(seed, target, drafts,
 def kernel_errors(monkeypatch, backend: str) -> list[float]:
     """Wraps ``backend``'s two kernel calls: each eager call's largest error against the plain-torch
     reference on the same inputs (its query rounded to the cache's dtype, as the kernels take it),
-    relative to the reference's largest value."""
+    relative to the reference's largest value. For backends whose kernel calls each run a whole
+    pass over a 16-bit cache (triton_mla, flashinfer_mla; not the chunked prefill's pieces)."""
     errors: list[float] = []
     cls = get_backend_class(backend)
     decode, prefill = cls._run_decode_kernel, cls._run_prefill_kernel
@@ -150,6 +151,8 @@ def kernel_errors(monkeypatch, backend: str) -> list[float]:
 
     def checked_decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
         out = decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            return out
         bs, q_len = query.shape[:2]
         cu = torch.arange(bs + 1, device=query.device, dtype=torch.int32) * q_len
         record(self, out.flatten(0, 1), query.flatten(0, 1), kv_cache, block_tables, seq_lens, cu, q_len, custom_mask)
@@ -172,19 +175,21 @@ def kernel_errors(monkeypatch, backend: str) -> list[float]:
 def test_engine_driven_gpu_worker_matches_target_only_decoding(seed, backend, graphs, gpu_models, kv_writes,
                                                                 monkeypatch):
     """On the Hopper backends, bf16 caches, eager and under CUDA graphs (buckets up to the batch
-    size): every eager kernel call within bf16 rounding of the plain-torch reference on its inputs,
+    size): every eager kernel call within 2% of the plain-torch reference on its inputs,
     and greedy outputs equal to target-only decoding on the same backend and page size.
 
     The outputs are compared exactly, on these seeds. bf16 rounding can flip a greedy choice between
-    two close logits, as a batch's passes round otherwise than one request's decodes: of 32 further
-    seeds (H100, both backends, eager and graphs), one on flashinfer_mla emitted the token an fp32
-    query picks (0.11 ahead in the logits) where target-only decoding, bf16 query, picked the
-    runner-up (then 0.12 ahead); every one of that run's 231 kernel calls was within 0.7% of the
-    reference, and the request alone in a worker decoded as target-only decoding did."""
+    two close logits, as a batch's passes round otherwise than one request's decodes. 62 further
+    seeds were run once (H100, both backends, eager and graphs: 248 runs, 43,501 eager kernel calls
+    checked in the last 120, the worst 0.69% off); one seed on flashinfer_mla, eager and graphed,
+    emitted the token an fp32 query picks (0.11 ahead in the logits) where target-only decoding,
+    bf16 query, picked the runner-up (then 0.12 ahead). Each of that run's 231 kernel calls was
+    within 0.7% of the reference, and the request alone in a worker decoded as target-only decoding
+    did."""
     target, drafts = gpu_models
     errors = kernel_errors(monkeypatch, backend)
     drive(random.Random(1000 + seed), target, drafts, kv_writes, backend=backend, graphs=graphs)
-    assert errors and max(errors) < 0.02, (len(errors), max(errors, default=None))
+    assert errors and all(error < 0.02 for error in errors), (len(errors), max(errors, default=None))
 
 
 def drive(rng: random.Random, target, drafts: dict, watch: Watch, backend: str = "torch_ref",
