@@ -41,6 +41,7 @@ _GREEDY: dict[tuple, list[int]] = {}
 
 
 def draft_models(target, mtp) -> dict:
+    """The drafts a seed chooses from, on ``target``'s device."""
     torch.manual_seed(5)
     small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1)).to(next(target.parameters()).device).eval()
     return {"eagle": mtp, "target as draft": StandaloneDraft(target), "small lm": StandaloneDraft(small)}
@@ -53,7 +54,7 @@ def drafts(target, mtp):
 
 @pytest.fixture(scope="module")
 def gpu_models():
-    """(target, drafts) on the GPU in fp32 (the caches are bf16)."""
+    """(target, drafts) on the GPU in fp32 (each test chooses its cache's dtype)."""
     target, mtp = make_models("cuda", torch.float32)
     return target, draft_models(target, mtp)
 
