@@ -5,6 +5,12 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-seeds", type=int, default=None, metavar="N",
+                     help="seeds of each random engine-run test in tests/test_worker_fuzz.py "
+                          "(default: 40 on the CPU, 8 per GPU backend and mode)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -13,6 +13,7 @@ requests' own pages and attends within them; prefill passes keep to max_prefill_
 admission changes nothing; every page comes back and (eager) the padding page is never written. (A
 12,000-seed run of this kind found nothing; six bugs injected one at a time into the worker's
 limits, headroom, pass cuts, kv commit and page room each fail at least one of these 40 seeds.)
+More seeds: ``python -m pytest tests/test_worker_fuzz.py --fuzz-seeds N`` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -131,7 +132,13 @@ def expected(target, prompt: list[int], max_new: int, eos, **backend) -> list[in
     return out[:out.index(eos) + 1] if eos in out else out
 
 
-@pytest.mark.parametrize("seed", range(40))
+def pytest_generate_tests(metafunc):
+    """Seeds 0..N-1 of each test: ``--fuzz-seeds N``, else 40 on the CPU and 8 on the GPU."""
+    if "seed" in metafunc.fixturenames:
+        default = 8 if metafunc.definition.get_closest_marker("gpu") else 40
+        metafunc.parametrize("seed", range(metafunc.config.getoption("fuzz_seeds") or default))
+
+
 def test_engine_driven_worker_matches_target_only_decoding(seed, target, drafts, kv_writes):
     drive(random.Random(seed), target, drafts, kv_writes)
 
@@ -182,7 +189,6 @@ def kernel_errors(monkeypatch, backend: str) -> list[float]:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("backend,kv_dtype", [("triton_mla", "bf16"), ("flashinfer_mla", "bf16"),
                                               ("triton_mla", "fp8_e4m3")])
-@pytest.mark.parametrize("seed", range(8))
 def test_engine_driven_gpu_worker_matches_target_only_decoding(seed, backend, kv_dtype, graphs, gpu_models,
                                                                 kv_writes, monkeypatch):
     """On the Hopper backends, bf16 and (triton_mla) scaled fp8 caches, eager and under CUDA graphs
