@@ -60,6 +60,11 @@ def gpu_models():
     return target, draft_models(target, mtp)
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s stream is capturing a CUDA graph: reading device values would sync."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Watch:
     """The worker's pools and prefill pass size, and what the wrapped passes did wrong."""
 
@@ -79,8 +84,7 @@ def kv_writes(monkeypatch) -> Watch:
 
     def checked_forward(self, q, kv_new, layer_id, batch):
         pool = next((p for p in watch.pools if p.kv_buffers[0] is self.kv.kv_buffers[0]), None)
-        # Not while a CUDA graph captures the pass: reading its metadata would sync.
-        if layer_id == 0 and pool is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if layer_id == 0 and pool is not None and not capturing(q):
             if batch.mode.value == "extend" and batch.batch_size > 1 and batch.num_tokens > watch.max_prefill_tokens:
                 watch.violations.append(f"a prefill pass of {batch.num_tokens} tokens in {batch.batch_size} pieces")
             cu, slots, seq_lens = batch.cu_seqlens_q.tolist(), batch.out_cache_loc.tolist(), batch.seq_lens.tolist()
@@ -158,8 +162,6 @@ def kernel_errors(monkeypatch, backend: str) -> list[float]:
     decode, prefill = cls._run_decode_kernel, cls._run_prefill_kernel
 
     def record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask=None):
-        if query.is_cuda and torch.cuda.is_current_stream_capturing():
-            return
         ref = paged_mla_reference(query.to(query_dtype(kv_cache)).float(), kv_cache, block_tables, seq_lens,
                                   cu_seqlens_q, max_q_len, self.layer.sm_scale,
                                   custom_mask=None if custom_mask is None else custom_mask.bool(),
@@ -168,7 +170,7 @@ def kernel_errors(monkeypatch, backend: str) -> list[float]:
 
     def checked_decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
         out = decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
-        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing(query):
             return out
         bs, q_len = query.shape[:2]
         cu = torch.arange(bs + 1, device=query.device, dtype=torch.int32) * q_len
@@ -177,7 +179,8 @@ def kernel_errors(monkeypatch, backend: str) -> list[float]:
 
     def checked_prefill(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len):
         out = prefill(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len)
-        record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len)
+        if not capturing(query):
+            record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len)
         return out
 
     monkeypatch.setattr(cls, "_run_decode_kernel", checked_decode)
