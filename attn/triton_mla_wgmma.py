@@ -53,6 +53,21 @@ arithmetic removed (P = the raw scores, wrong results)
 128 x 16k x 128 heads ran 1071 -> 972 us (0.75 -> 0.83 of the roofline), 32 x 4k 75.7 -> 70.2
 (0.66 -> 0.72), 128 x 1k 81.8 -> 78.2 (0.61 -> 0.64); hiding it under the other warpgroup's
 wgmma (FlashMLA's seesaw) could gain no more, short of 0.8 where contexts are short.
+Where the 128-head tile's time goes (ncu, H100 at its own clocks, 32 x 4k x 128 heads, q_len 1,
+1.7 GHz): tensor pipe active 64% of the cycles, DRAM 68% of peak (2.25 TB/s), L2 70%, L1/shared
+51%. By stall samples, warpgroup 0 is never idle for long: QK^T 39% of its samples, the softmax
+19%, its PV 21%, waiting for kv 5%, the pipeline fill (query and first tiles) 12%; warpgroup 1
+spends 49% of its samples waiting for P. The chain QK^T -> softmax -> PV of warpgroup 0 bounds
+the tile, not the memory system. Measured and dropped (H100, graphs, one process): three
+warpgroups, QK^T and the softmax alone in warpgroup 0 and a PV half in each of two more (ptxas
+keeps setmaxnreg only with 160 registers for each PV warpgroup, which leaves 184 for warpgroup 0:
+the whole query does not fit in its registers, its latent columns 0-255 do): slower on 14 of 15
+shapes, 32 x 4k x 128 heads 70.9 -> 81.3 us (76.3 with the query half in registers), 8 x 16k x 128
+heads 69.4 -> 78.6 (78.6), 128 x 4k x 128 heads 283.4 -> 292.2 (288.8), 32 x 4k x 128 heads x
+q_len 4 255.2 -> 268.5 (270.3). Not tried: FA3's overlap of a tile's softmax with the PV of the
+tile before in warpgroup 0 holds each stage one softmax longer, so with two stages the refill
+would land after the QK^T that needs it; it wants a third stage, which shared memory cannot hold
+beside the query.
 """
 
 from __future__ import annotations
