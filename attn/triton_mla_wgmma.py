@@ -67,7 +67,18 @@ heads 69.4 -> 78.6 (78.6), 128 x 4k x 128 heads 283.4 -> 292.2 (288.8), 32 x 4k 
 q_len 4 255.2 -> 268.5 (270.3). Not tried: FA3's overlap of a tile's softmax with the PV of the
 tile before in warpgroup 0 holds each stage one softmax longer, so with two stages the refill
 would land after the QK^T that needs it; it wants a third stage, which shared memory cannot hold
-beside the query.
+beside the query. Also measured and dropped on the same shapes (outputs within 0.008 of this tile's;
+the first three below also passed tests/test_triton_mla_kernel.py's GPU tests):
+- QK^T split along K, warpgroup 1 taking latent columns 256-511 and the rope columns and handing
+  its scores over as bf16 hi + lo (over the tile's rope rows and an 8 KB buffer), then the next
+  tile's QK^T under warpgroup 0's softmax: 32 x 4k x 128 heads 71.2 -> 106.2 us (100.8 with
+  columns 384-511 only, 108.9 with 128-511), 128 x 16k x 128 heads 1063 -> 1504-1592;
+- in warpgroup 0, the next tile's QK^T issued before this tile's rescale and PV, to run under
+  them: 70.6 -> 99.8 us, 1071 -> 1452;
+- row sums as a row vector (32 registers fewer) with P as PV's A operand from registers: 71.0 ->
+  75.6 us (76.6 without the latter; 78.8 with the query's latent columns 0-127 in registers too);
+- the scale folded into each exponent's fused multiply-add (30 fewer instructions a tile per
+  thread): 70.6 -> 73.9 us, 1071 -> 1095, 286.5 -> 271.1 at 32 x 16k: noise, no gain.
 """
 
 from __future__ import annotations
