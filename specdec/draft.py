@@ -14,10 +14,12 @@ class DraftModel(Protocol):
 
     forward: ids ``[T]`` int64, positions ``[T]`` int64, hidden_in ``[T, D]`` (the target's hidden
     states at the previous position, or the draft's own while drafting; None where unused)
-    -> hidden ``[T, D]``.
+    -> hidden ``[T, D]``. vocab_size: the width of compute_logits' logits, which must be the
+    target's (the draft proposes target token ids).
     """
 
     num_attention_layers: int
+    vocab_size: int
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, hidden_in: Optional[torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor: ...
 
@@ -36,6 +38,10 @@ class StandaloneDraft(torch.nn.Module):
     @property
     def num_attention_layers(self) -> int:
         return self.lm.num_attention_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.config.vocab_size
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, hidden_in: Optional[torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
         return self.lm(ids, positions, backend, batch)

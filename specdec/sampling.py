@@ -13,7 +13,6 @@ request's stream is reproducible, independent of batch composition, and needs no
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +21,9 @@ import torch
 from specdec.config import as_int, is_real
 from specdec.tree import VerifyTree, tempered
 from specdec.verify import AcceptResult, path_and_emitted
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        # The worker samples in fp32: a larger temperature would become inf there (every logit 0,
+        # top-k/top-p then keeping the lowest token ids).
+        if not (is_real(self.temperature) and 0 <= self.temperature <= _FP32_MAX):
+            raise ValueError(f"temperature must be a number in [0, {_FP32_MAX:.4g}] (fp32), got {self.temperature!r}")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if as_int(self.top_k) is None or not 0 <= self.top_k < 2**63:

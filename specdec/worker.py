@@ -49,6 +49,9 @@ class EagleWorker:
         config = copy.deepcopy(config)  # the worker's own: later edits of the caller's reach nothing sized from it
         config.validate()  # again: a config may have been changed since it was built
         self.config = config
+        if draft.vocab_size != target.config.vocab_size:
+            raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens) must be the target's "
+                              f"({target.config.vocab_size}): the draft proposes target token ids")
         self.target, self.draft = target, draft
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
         choice = config.backends

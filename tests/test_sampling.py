@@ -115,9 +115,23 @@ def test_hash_uniform_is_uniform_and_reproducible():
 def test_bad_sampling_params():
     for kw in (dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0),
                dict(top_p=float("nan")), dict(top_k=-2), dict(top_k=1.5), dict(top_k=2**64), dict(seed=2**63), dict(seed=0.5), dict(temperature=True),
-               dict(top_p="1")):
+               dict(top_p="1"), dict(temperature=1e39)):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+def test_the_largest_fp32_temperature_still_ranks_by_logit():
+    """Temperatures up to fp32's largest are accepted and keep top-k/top-p ranking the likeliest
+    tokens (one beyond it became inf in the worker's fp32 tensors: every logit 0, and top_k=1
+    emitted token 0 where greedy took the argmax)."""
+    big = float(torch.finfo(torch.float32).max)
+    SamplingParams(temperature=big, top_k=1)
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    one = lambda v, dtype=torch.float32: torch.tensor([v], dtype=dtype)
+    probs = target_probs(logits, one(big), one(1.0), one(1, torch.int64))
+    assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    probs = target_probs(logits, one(big), one(0.5), one(0, torch.int64))
+    assert probs.tolist() == [[0.0, 0.0, 0.5, 0.5]]
 
 
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])

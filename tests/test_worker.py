@@ -11,7 +11,7 @@ from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.kv import OutOfPagesError
-from specdec.models import DeepseekV3ForCausalLM
+from specdec.models import DeepseekMTP, DeepseekV3ForCausalLM
 from specdec.sampling import SamplingParams
 from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, prompts, reference, run_to_completion, tiny_config
@@ -105,6 +105,20 @@ def test_standalone_draft_lossless(target):
     worker = EagleWorker(target, StandaloneDraft(small), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, draft_mode="standalone", max_context_len=128))
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups)
+
+
+@pytest.mark.parametrize("draft_vocab", [64, 128])
+def test_a_draft_of_another_vocabulary_is_refused_up_front(target, draft_vocab):
+    """Its proposals are target token ids: a wider draft proposed ids past the target's vocabulary
+    mid-step, a narrower one refused prompts it cannot embed, both only once requests ran."""
+    torch.manual_seed(5)
+    small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1, vocab_size=draft_vocab)).eval()
+    config = SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, draft_mode="standalone", max_context_len=64)
+    with pytest.raises(ConfigError, match=rf"the draft's vocabulary \({draft_vocab} tokens\) must be the target's \(96\)"):
+        EagleWorker(target, StandaloneDraft(small), config)
+    narrowed = DeepseekMTP(target.config, head=torch.nn.Linear(target.config.hidden_size, draft_vocab, bias=False))
+    with pytest.raises(ConfigError, match="the draft's vocabulary"):
+        EagleWorker(target, narrowed, SpecConfig(num_steps=2, max_context_len=64))
 
 
 def test_bad_requests_leave_running_state_intact(target, mtp):

@@ -67,6 +67,11 @@ class DeepseekMTP(nn.Module):
         self.shared_head = SharedHead(RMSNorm(d, eps, **fk), head)
         self.rotary = RotaryEmbedding(config, device)
 
+    @property
+    def vocab_size(self) -> int:
+        """The width of compute_logits' logits: the head's (shared or its own)."""
+        return self.shared_head.head.out_features
+
     def attn_spec(self) -> LayerSpec:
         return LayerSpec(self.config.num_attention_heads, softmax_scale(self.config))
 
