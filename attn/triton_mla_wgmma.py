@@ -79,6 +79,11 @@ the first three below also passed tests/test_triton_mla_kernel.py's GPU tests):
   75.6 us (76.6 without the latter; 78.8 with the query's latent columns 0-127 in registers too);
 - the scale folded into each exponent's fused multiply-add (30 fewer instructions a tile per
   thread): 70.6 -> 73.9 us, 1071 -> 1095, 286.5 -> 271.1 at 32 x 16k: noise, no gain.
+Written, not measured: FlashMLA's seesaw (each warpgroup the QK^T and softmax of alternate tiles,
+one per stage, and its half of every tile's PV; the row maxima, rescale factors and P go over
+through the stage; the warpgroup that does not own a tile refills its stage). Both warpgroups
+then hold a [64, 256] accumulator beside the [64, 64] scores and the softmax, and ptxas spills
+264-452 bytes a thread at 255 registers (with its cross-tile PV taken out, 264-324).
 """
 
 from __future__ import annotations
