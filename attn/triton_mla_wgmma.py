@@ -68,7 +68,7 @@ q_len 4 255.2 -> 268.5 (270.3). Not tried: FA3's overlap of a tile's softmax wit
 tile before in warpgroup 0 holds each stage one softmax longer, so with two stages the refill
 would land after the QK^T that needs it; it wants a third stage, which shared memory cannot hold
 beside the query. Also measured and dropped on the same shapes (outputs within 0.008 of this tile's;
-the first three below also passed tests/test_triton_mla_kernel.py's GPU tests):
+all but the fourth below also passed tests/test_triton_mla_kernel.py's GPU tests):
 - QK^T split along K, warpgroup 1 taking latent columns 256-511 and the rope columns and handing
   its scores over as bf16 hi + lo (over the tile's rope rows and an 8 KB buffer), then the next
   tile's QK^T under warpgroup 0's softmax: 32 x 4k x 128 heads 71.2 -> 106.2 us (100.8 with
@@ -79,11 +79,15 @@ the first three below also passed tests/test_triton_mla_kernel.py's GPU tests):
   75.6 us (76.6 without the latter; 78.8 with the query's latent columns 0-127 in registers too);
 - the scale folded into each exponent's fused multiply-add (30 fewer instructions a tile per
   thread): 70.6 -> 73.9 us, 1071 -> 1095, 286.5 -> 271.1 at 32 x 16k: noise, no gain.
-Written, not measured: FlashMLA's seesaw (each warpgroup the QK^T and softmax of alternate tiles,
-one per stage, and its half of every tile's PV; the row maxima, rescale factors and P go over
-through the stage; the warpgroup that does not own a tile refills its stage). Both warpgroups
-then hold a [64, 256] accumulator beside the [64, 64] scores and the softmax, and ptxas spills
-264-452 bytes a thread at 255 registers (with its cross-tile PV taken out, 264-324).
+- FlashMLA's seesaw: each warpgroup the QK^T and softmax of alternate tiles (one per stage) and its
+  half of every tile's PV; row maxima, rescale factors and P go over through the stage, and the
+  warpgroup that does not own a tile refills its stage. Both warpgroups then hold a [64, 256]
+  accumulator beside the scores and the softmax: ptxas spills 432-456 bytes a thread at 255
+  registers (mostly in the rare tail-zeroing path; a few loop-invariant scalars reload in the
+  loop). 32 x 4k x 128 heads 71.2 -> 122.9 us, 128 x 16k x 128 heads 1076 -> 1740, 128 x 4k x 16
+  heads 206.1 -> 286.7 (it passed the kernel's GPU tests). Not profiled; presumably as each
+  softmax waits for the other warpgroup's row maxima, the softmaxes stay serial, now with an
+  exchange between them, and a stage is refilled only after both PVs of its tile.
 """
 
 from __future__ import annotations
