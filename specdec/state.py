@@ -41,24 +41,28 @@ class BatchHost:
     """Host arrays of the running batch, aligned with ``EagleWorker.requests`` and rebuilt when
     the batch changes, so the per-step bookkeeping is a few numpy calls, not a loop per request.
 
-    seq_len (N), target_row, draft_row: ``[B]`` int64. outputs: the requests' output lists;
-    device_rows: target and draft rows ``[B]`` int64 on the device. room ``[B]`` int64: the
-    largest N at which both pools' pages hold a step (set by the worker).
+    seq_len (N), target_row, draft_row: ``[B]`` int64. last_n ``[B]`` int64: the N of each
+    request's last possible step (len(prompt) + max_new_tokens - 2; it emits the last token).
+    outputs: the requests' output lists; device_rows: target and draft rows ``[B]`` int64 on the
+    device. room ``[B]`` int64: the largest N at which both pools' pages hold a step (set by the
+    worker).
     """
 
     seq_len: np.ndarray
     target_row: np.ndarray
     draft_row: np.ndarray
+    last_n: np.ndarray
     outputs: list[list[int]]
     device_rows: tuple[torch.Tensor, torch.Tensor]
     room: Optional[np.ndarray] = None
 
     @staticmethod
     def of(requests: list[Request], device: torch.device) -> "BatchHost":
-        table = np.array([(r.seq_len, r.target_row, r.draft_row) for r in requests], dtype=np.int64).reshape(len(requests), 3)
-        seq_len, target_row, draft_row = table.T.copy()
+        table = np.array([(r.seq_len, r.target_row, r.draft_row, len(r.prompt) + r.max_new_tokens - 2) for r in requests],
+                         dtype=np.int64).reshape(len(requests), 4)
+        seq_len, target_row, draft_row, last_n = table.T.copy()
         rows = host_to_device([target_row.tolist(), draft_row.tolist()], device)
-        return BatchHost(seq_len, target_row, draft_row, [r.output for r in requests], (rows[0], rows[1]))
+        return BatchHost(seq_len, target_row, draft_row, last_n, [r.output for r in requests], (rows[0], rows[1]))
 
 
 @dataclass

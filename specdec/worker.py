@@ -36,6 +36,12 @@ GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see Eagl
 KV_BOUND_GAP = 64  # kv rows within which EagleWorker.kv_len_buckets keeps one bound
 
 
+def trim_pages(pool: MLAKVPool, rows: np.ndarray, need: np.ndarray) -> None:
+    """Return the pages each request (pool row ``rows[i]``) holds past ``need[i]`` tokens."""
+    for row, tokens in zip(rows.tolist(), need.tolist()):
+        pool.trim(row, tokens)
+
+
 class EagleWorker:
     """Runs EAGLE (or standalone-draft) speculative decoding for a changing batch of requests.
 
@@ -145,7 +151,13 @@ class EagleWorker:
                     f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens}{headroom} exceed max_context_len "
                     f"{cfg.max_context_len}; raise max_context_len or shorten the request"
                 )
-        new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
+        try:
+            new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
+        except OutOfPagesError:
+            # The running requests' grow-ahead pages come back first, as they do for a growing request.
+            if not self._trim_grow_ahead(prompts):
+                raise
+            new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         try:
             # Every prompt ends in one pass, in order: the states concatenate in new's order.
             ended = (self._prefill(pieces) for pieces in self._prefill_passes(new))
@@ -431,33 +443,55 @@ class EagleWorker:
         only for the requests that cross one. A request that grows gets GROW_AHEAD_PAGES more
         pages while the pool has them, so the pool's req_to_token write (host work and a copy)
         comes every few pages, not every page."""
-        cfg, h = self.config, self._batch_host()
+        h = self._batch_host()
         if not (h.seq_len > h.room).any():
             return
-        for pool, rows, extra in ((self.target_pool, h.target_row, cfg.num_draft_tokens),
-                                  (self.draft_pool, h.draft_row, self.draft_offset + cfg.draft_region_len)):
-            self._grow(pool, rows, h.seq_len + extra)
+        for pool, rows, need, most in self._pool_needs(h):
+            self._grow(pool, rows, need, most)
         h.room = self._page_room(h)
 
+    def _pool_needs(self, h: BatchHost):
+        """(pool, rows, need, most) of the target and the draft pool: each running request's row,
+        the tokens its pages must hold for its next step (``[B]``), and for its last possible one."""
+        cfg = self.config
+        for pool, rows, extra in ((self.target_pool, h.target_row, cfg.num_draft_tokens),
+                                  (self.draft_pool, h.draft_row, self.draft_offset + cfg.draft_region_len)):
+            yield pool, rows, h.seq_len + extra, h.last_n + extra
+
+    def _trim_grow_ahead(self, prompts: list[list[int]]) -> bool:
+        """Where the pages the running requests hold past their next step (grow-ahead) would
+        make room for ``prompts`` in both pools, take them back and return True; else change
+        nothing and return False."""
+        h = self._batch_host()
+        pools = list(self._pool_needs(h))
+        for (pool, rows, need, _), offset in zip(pools, (0, self.draft_offset)):
+            pages = lambda tokens: -(-tokens // pool.page_size)
+            spare = (pool.capacity[rows] // pool.page_size - pages(need)).clip(min=0).sum()
+            if pool.num_free_pages + spare < sum(pages(len(prompt) + offset) for prompt in prompts):
+                return False
+        for pool, rows, need, _ in pools:
+            trim_pages(pool, rows, need)
+        h.room = self._page_room(h)
+        return True
+
     @staticmethod
-    def _grow(pool: MLAKVPool, rows: np.ndarray, need: np.ndarray) -> None:
+    def _grow(pool: MLAKVPool, rows: np.ndarray, need: np.ndarray, most: np.ndarray) -> None:
         """Pages for every request (pool row ``rows[i]``) to hold ``need[i]`` tokens: GROW_AHEAD_PAGES
-        more while the pool has them, else exactly, else after taking back the pages other
-        requests hold past their own need (earlier grow-ahead); OutOfPagesError (nothing
-        changed but that) if even those are too few."""
+        more (never past ``most[i]`` >= need[i], what its last step needs) while the pool has them,
+        else exactly, else after taking back the pages other requests hold past their own need
+        (earlier grow-ahead); OutOfPagesError (nothing changed but that) if even those are too few."""
         short = np.flatnonzero(need > pool.capacity[rows])
         if not short.size:
             return
         grow, exact = rows[short].tolist(), need[short].tolist()
-        ahead = np.minimum(need[short] + GROW_AHEAD_PAGES * pool.page_size, pool.max_context_len).tolist()
+        ahead = np.minimum(need[short] + GROW_AHEAD_PAGES * pool.page_size, most[short]).tolist()
         for attempt in (ahead, exact):
             try:
                 pool.ensure_capacity_many(grow, attempt)
                 return
             except OutOfPagesError:
                 pass
-        for row, tokens in zip(rows.tolist(), need.tolist()):
-            pool.trim(row, tokens)
+        trim_pages(pool, rows, need)
         pool.ensure_capacity_many(grow, exact)
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:

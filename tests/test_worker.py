@@ -291,6 +291,42 @@ def test_grow_ahead_pages_come_back_before_a_step_runs_out():
     assert late.output == greedy_generate(target, [[1, 2, 3, 4, 5, 6, 7]], 6)[0]
 
 
+def test_grow_ahead_stops_at_a_requests_last_step(target, mtp):
+    """A request grows ahead only as far as its last possible step needs: 3 prompt tokens and 4
+    new ones never need more than 2 pages of 4 (it held 4, and a request that fitted beside its 2
+    was refused with OutOfPagesError)."""
+    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=10)
+    worker = EagleWorker(target, mtp, cfg)
+    short, = worker.add_requests([[1, 2, 3]], 4)
+    worker.step()
+    assert free_pages(worker) == (7, 7)  # 9 pages a pool; the request's last step needs 2
+    long_prompt = list(range(1, 25))  # 7 pages a pool at most, beside the 2
+    long, = worker.add_requests([long_prompt], 2)
+    drain(worker)
+    assert short.output == greedy_generate(target, [[1, 2, 3]], 4)[0]
+    assert long.output == greedy_generate(target, [long_prompt], 2)[0]
+    assert free_pages(worker) == (9, 9)
+
+
+def test_admission_takes_back_grow_ahead_pages(target, mtp):
+    """A new request that fits once the running ones hand back the pages they took ahead of their
+    next step is admitted (it was refused with OutOfPagesError), and both decode as target-only
+    decoding does."""
+    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=12)
+    worker = EagleWorker(target, mtp, cfg)
+    early, = worker.add_requests([[1, 2, 3]], 30)
+    for _ in range(2):
+        worker.step()
+    assert free_pages(worker) == (7, 7)  # 11 pages a pool: 2 for the next step, 2 ahead
+    late_prompt = list(range(1, 33))  # 8 pages a pool
+    late, = worker.add_requests([late_prompt], 2)
+    assert free_pages(worker) == (1, 1)
+    drain(worker)
+    assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
+    assert late.output == greedy_generate(target, [late_prompt], 2)[0]
+    assert free_pages(worker) == (11, 11)
+
+
 def cached(pool, row: int, n: int) -> torch.Tensor:
     """``[layers, n, 576]``: the pool's kv of positions [0, n) of req_to_token row ``row``."""
     loc = pool.req_to_token[row, :n].long()
