@@ -17,6 +17,7 @@ from attn.base import KV_DIM, KVCacheView
 
 PADDING_PAGE = 0
 PADDING_ROW = 0
+GROW_AHEAD_PAGES = 2  # extra pages a growing request takes at once (MLAKVPool.grow)
 
 
 class OutOfPagesError(RuntimeError):
@@ -89,6 +90,10 @@ class MLAKVPool:
             raise KeyError(f"request row {row} is not allocated (alloc_request first, or it was freed)")
         return self._requests[row]
 
+    def pages_for(self, num_tokens):
+        """Pages that hold ``num_tokens`` positions (an int, or an int array elementwise)."""
+        return -(-num_tokens // self.page_size)
+
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
         """Give request ``row`` pages for positions ``[0, num_tokens)``; all or nothing."""
         self.ensure_capacity_many([row], [num_tokens])
@@ -101,7 +106,7 @@ class MLAKVPool:
             req = self._request(row)
             if n > self.max_context_len:
                 raise ValueError(f"{n} tokens exceed max_context_len {self.max_context_len}")
-            need.append(max(0, -(-n // ps) - len(req.pages)))
+            need.append(max(0, self.pages_for(n) - len(req.pages)))
         if sum(need) > len(self._free_pages):
             raise OutOfPagesError(f"need {sum(need)} more KV pages, {len(self._free_pages)} free; raise num_pages")
         writes = []  # (flat req_to_token index of the page's first slot, page)
@@ -120,7 +125,7 @@ class MLAKVPool:
         Their positions point at page 0 again, so that a stray write through them cannot reach
         the pages' next owner."""
         req = self._request(row)
-        keep = -(-num_tokens // self.page_size)
+        keep = self.pages_for(num_tokens)
         if len(req.pages) <= keep:
             return
         freed = req.pages[keep:]
@@ -128,6 +133,34 @@ class MLAKVPool:
         self._free_pages.extend(reversed(freed))
         self.req_to_token[row, keep * self.page_size:(keep + len(freed)) * self.page_size] = PADDING_PAGE * self.page_size
         self.capacity[row] = len(req.pages) * self.page_size
+
+    def trim_many(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        """``trim`` each request ``rows[i]`` to ``num_tokens[i]`` positions."""
+        for row, n in zip(rows.tolist(), num_tokens.tolist()):
+            self.trim(row, n)
+
+    def spare_pages(self, rows: np.ndarray, num_tokens: np.ndarray) -> int:
+        """The pages ``trim_many(rows, num_tokens)`` would return."""
+        return int((self.capacity[rows] // self.page_size - self.pages_for(num_tokens)).clip(min=0).sum())
+
+    def grow(self, rows: np.ndarray, need: np.ndarray, most: np.ndarray) -> None:
+        """Pages for every request ``rows[i]`` to hold ``need[i]`` positions: GROW_AHEAD_PAGES more
+        (never past ``most[i]`` >= need[i], what it can ever need) while the pool has them, else
+        exactly, else after taking back the pages all of them hold past their own need (earlier
+        grow-ahead); OutOfPagesError (nothing changed but that) if even those are too few."""
+        short = np.flatnonzero(need > self.capacity[rows])
+        if not short.size:
+            return
+        grow, exact = rows[short].tolist(), need[short].tolist()
+        ahead = np.minimum(need[short] + GROW_AHEAD_PAGES * self.page_size, most[short]).tolist()
+        for attempt in (ahead, exact):
+            try:
+                self.ensure_capacity_many(grow, attempt)
+                return
+            except OutOfPagesError:
+                pass
+        self.trim_many(rows, need)
+        self.ensure_capacity_many(grow, exact)
 
     def free_request(self, row: int) -> None:
         """Return every page of request ``row`` and its row."""

@@ -32,14 +32,7 @@ from specdec.tree import VerifyTree, start_tree, topk_probs
 from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
 
-GROW_AHEAD_PAGES = 2  # extra KV pages a growing request takes at once (see EagleWorker._reserve_pages)
 KV_BOUND_GAP = 64  # kv rows within which EagleWorker.kv_len_buckets keeps one bound
-
-
-def trim_pages(pool: MLAKVPool, rows: np.ndarray, need: np.ndarray) -> None:
-    """Return the pages each request (pool row ``rows[i]``) holds past ``need[i]`` tokens."""
-    for row, tokens in zip(rows.tolist(), need.tolist()):
-        pool.trim(row, tokens)
 
 
 class EagleWorker:
@@ -440,14 +433,14 @@ class EagleWorker:
     def _reserve_pages(self) -> None:
         """Pages for the verify tree and the draft region past each request's prefix. A step
         that crosses no page costs one comparison against the batch's page room; pool work is
-        only for the requests that cross one. A request that grows gets GROW_AHEAD_PAGES more
+        only for the requests that cross one. A request that grows gets kv.GROW_AHEAD_PAGES more
         pages while the pool has them, so the pool's req_to_token write (host work and a copy)
         comes every few pages, not every page."""
         h = self._batch_host()
         if not (h.seq_len > h.room).any():
             return
         for pool, rows, need, most in self._pool_needs(h):
-            self._grow(pool, rows, need, most)
+            pool.grow(rows, need, most)
         h.room = self._page_room(h)
 
     def _pool_needs(self, h: BatchHost):
@@ -465,34 +458,13 @@ class EagleWorker:
         h = self._batch_host()
         pools = list(self._pool_needs(h))
         for (pool, rows, need, _), offset in zip(pools, (0, self.draft_offset)):
-            pages = lambda tokens: -(-tokens // pool.page_size)
-            spare = (pool.capacity[rows] // pool.page_size - pages(need)).clip(min=0).sum()
-            if pool.num_free_pages + spare < sum(pages(len(prompt) + offset) for prompt in prompts):
+            wanted = sum(pool.pages_for(len(prompt) + offset) for prompt in prompts)
+            if pool.num_free_pages + pool.spare_pages(rows, need) < wanted:
                 return False
         for pool, rows, need, _ in pools:
-            trim_pages(pool, rows, need)
+            pool.trim_many(rows, need)
         h.room = self._page_room(h)
         return True
-
-    @staticmethod
-    def _grow(pool: MLAKVPool, rows: np.ndarray, need: np.ndarray, most: np.ndarray) -> None:
-        """Pages for every request (pool row ``rows[i]``) to hold ``need[i]`` tokens: GROW_AHEAD_PAGES
-        more (never past ``most[i]`` >= need[i], what its last step needs) while the pool has them,
-        else exactly, else after taking back the pages other requests hold past their own need
-        (earlier grow-ahead); OutOfPagesError (nothing changed but that) if even those are too few."""
-        short = np.flatnonzero(need > pool.capacity[rows])
-        if not short.size:
-            return
-        grow, exact = rows[short].tolist(), need[short].tolist()
-        ahead = np.minimum(need[short] + GROW_AHEAD_PAGES * pool.page_size, most[short]).tolist()
-        for attempt in (ahead, exact):
-            try:
-                pool.ensure_capacity_many(grow, attempt)
-                return
-            except OutOfPagesError:
-                pass
-        trim_pages(pool, rows, need)
-        pool.ensure_capacity_many(grow, exact)
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,24 @@ def test_growing_many_rows_is_one_all_or_nothing_write():
     assert torch.equal(pool.req_to_token, before)
     pool.trim(a, 4)
     assert pool.capacity[a] == 4 and pool.num_free_pages == 3
+
+
+def test_grow_takes_pages_ahead_up_to_the_most_a_request_needs_and_gives_them_back():
+    pool = make_pool(num_pages=8)  # 7 usable pages of 4
+    a, b = pool.alloc_request(), pool.alloc_request()
+    rows = np.array([a, b])
+    pool.grow(rows, np.array([5, 2]), np.array([16, 6]))  # a: 2 pages + 2 ahead; b: 1 + 1, capped at 6 positions
+    assert pool.capacity[a] == 16 and pool.capacity[b] == 8 and pool.num_free_pages == 1
+    assert pool.spare_pages(rows, np.array([5, 2])) == 3
+    pool.trim_many(rows, np.array([5, 2]))
+    assert pool.capacity[a] == 8 and pool.capacity[b] == 4 and pool.num_free_pages == 4
+    pool.grow(rows, np.array([9, 2]), np.array([16, 6]))  # a: 3 pages + 1 ahead (16 positions at most)
+    assert pool.capacity[a] == 16 and pool.num_free_pages == 2
+    pool.grow(rows, np.array([9, 16]), np.array([16, 16]))  # b needs 3 more, 2 free: a's grow-ahead comes back
+    assert pool.capacity[a] == 12 and pool.capacity[b] == 16 and pool.num_free_pages == 0
+    with pytest.raises(OutOfPagesError):
+        pool.grow(rows, np.array([13, 16]), np.array([16, 16]))
+    assert pool.capacity[a] == 12 and pool.num_free_pages == 0
 
 
 def test_growth_inside_and_outside_inference_mode_writes_every_slot():
