@@ -547,7 +547,11 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     # griddepcontrol.launch_dependents early in the attention kernel (the reduce's programs crowd
     # the few idle SMs: 11.0 -> 12.6 us there) or in the reduce (the next launch's programs hold
     # registers the reduce's still need: 0.4-0.7 us faster on most split launches, 1.0-1.6 us
-    # slower on four of 16).
+    # slower on four of 16). Nor at the end of both attention kernels' kv loops (the 48 shapes of
+    # the benchmark's table in one process): slower on split launches (1 x 1k x 128 heads x q_len
+    # 4 11.1 -> 13.1 us, 8 x 1k x 16 heads x q_len 4 13.3 -> 15.6) and within noise on one-split
+    # ones, whose next launch waits for them all the same (128 x 1k x 16 heads x q_len 4 64.1 ->
+    # 64.2).
     pdl = _has_pdl(out.device)
     _mla_reduce_kernel[(num_tokens, num_heads, KV_LORA_RANK // block_d)](
         o_part, lse, out, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_splits,

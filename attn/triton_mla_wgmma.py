@@ -88,6 +88,26 @@ all but the fourth below also passed tests/test_triton_mla_kernel.py's GPU tests
   heads 206.1 -> 286.7 (it passed the kernel's GPU tests). Not profiled; presumably as each
   softmax waits for the other warpgroup's row maxima, the softmaxes stay serial, now with an
   exchange between them, and a stage is refilled only after both PVs of its tile.
+
+Where a one-wave 16-head launch's time goes (H100, graphs; a build that stored each program's
+%globaltimer at its start, its query's and first kv tile's arrival, its loop's end and its
+exit). 128 x 1k x 16 heads x q_len 4, 128 programs on 128 SMs, 64.4 us a call: the query lands
+3.3-5.1 us after the programs start and the first kv tile 4.4-13.8 us (median 8.7: the SMs' first
+copies, 28 MB, queue at the DRAM); the loops over equal kv take 43-53 us, as SMs stream at unequal
+rates, so programs exit from 51.5 to 62.0 us, and the next launch's programs start 2.4 us after
+the last has exited. 32 x 4k x q_len 4 (4 splits): exits at 49.2-56.8 us of a 63.4 us call; the
+reduce and the launches take the rest. The 16 heads x q_len 4 rows short of 0.8 of the roofline
+(62.8 us) lose it to that spread of exit times and to the query and output bytes the roofline
+does not count (18 MB at 128 x 1k: 6 us of copy bandwidth); at q_len 1, 128 x 1k (4.4 MB of them)
+exits at 46.6-55.3 us of 59.0. An SM's rate is its own, launch after launch: the per-SM loop times
+of six launches in a row correlate at 0.81-0.97, and come in tiers by SM id (the two SMs of a TPC
+alike; 128 x 4k x q_len 4: about 174, 183 and 197 us), unrelated to when the first tile landed
+(correlation 0.0-0.3). More, shorter programs, for the hardware to hand the faster SMs more of them,
+were slower still (each pays its query and pipeline fill; more partials): 128 x 1k x q_len 4 65.6
+us at one split, 80.1 at 2, 91.0 at 4; 32 x 4k x q_len 4 66.1 at 4 splits, 75.4 at 8. Evening the
+exits out would take programs claiming kv tiles at run time: among a request's splits (a partial
+each, as now), which evens out only as many SMs as a request has splits, or across requests, where
+each stolen run of tiles needs the other request's query tile and a partial and merge of its own.
 """
 
 from __future__ import annotations
