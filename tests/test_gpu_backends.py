@@ -18,28 +18,34 @@ pytestmark = pytest.mark.gpu
 ATOL = 2e-2  # bf16 cache and queries, fp32 accumulation
 
 
-def filled_pool(page_size=64, lens=(37, 300, 1000)):
+def filled_pool(page_size=64, lens=(37, 300, 1000), dtype=torch.bfloat16, kv_scale=1.0, spread=0.5):
+    """A pool of ``dtype`` (dequantised by kv_scale) holding requests of ``lens`` tokens, its pages
+    filled with normal values times ``spread``."""
     context = page_size * (max(lens) // page_size + 2)
-    pool = MLAKVPool(1, sum(n // page_size + 1 for n in lens) + 2, page_size, len(lens), context, torch.bfloat16, "cuda")
+    pool = MLAKVPool(1, sum(n // page_size + 1 for n in lens) + 2, page_size, len(lens), context, dtype, "cuda",
+                     kv_scale=kv_scale)
     rows = [pool.alloc_request() for _ in lens]
     for row, n in zip(rows, lens):
         pool.ensure_capacity(row, n)
-    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, device="cuda") * 0.5)
+    pool.kv_buffers[0].copy_((torch.randn(pool.kv_buffers[0].shape, device="cuda") * spread).to(dtype))
     return pool, rows, list(lens)
 
 
-def compare(backend_name, batch_fn, heads=16, page_size=64):
-    pool, rows, lens = filled_pool(page_size)
+def compare(backend_name, batch_fn, heads=16, page_size=64, dtype=torch.bfloat16, kv_scale=1.0, spread=0.5,
+            atol=ATOL, rtol=0.0):
+    """One forward of ``backend_name`` against torch_ref's over the same pool and inputs (the new
+    tokens' kv at the pool's scale)."""
+    pool, rows, lens = filled_pool(page_size, dtype=dtype, kv_scale=kv_scale, spread=spread)
     spec = LayerSpec(num_heads=heads, sm_scale=192**-0.5)
     batch = batch_fn(pool, rows, lens)
     q = torch.randn(batch.num_tokens, heads, 576, device="cuda", dtype=torch.bfloat16)
-    kv_new = torch.randn(batch.num_tokens, 576, device="cuda", dtype=torch.bfloat16)
+    kv_new = torch.randn(batch.num_tokens, 576, device="cuda", dtype=torch.bfloat16) * kv_scale
     outs = []
     for name in ("torch_ref", backend_name):
         backend = get_backend_class(name)(pool.view(), spec, 4, 8)
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch).float())
-    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=rtol)
 
 
 def _uniform(mode, q_len):
@@ -129,24 +135,8 @@ def test_worker_lossless(backend, topk, ndt):
 @pytest.mark.parametrize("kv_scale", [0.25, 4.0])
 def test_triton_mla_over_a_scaled_fp8_pool_matches_torch_ref(q_len, kv_scale):
     """Verify passes over an fp8_e4m3 pool with a kv_scale: triton_mla against torch_ref."""
-    lens, page = [37, 300, 1000], 64
-    pool = MLAKVPool(1, 40, page, 3, 1088, torch.float8_e4m3fn, "cuda", kv_scale=kv_scale)
-    rows = [pool.alloc_request() for _ in lens]
-    for row, n in zip(rows, lens):
-        pool.ensure_capacity(row, n)
-    pool.kv_buffers[0].copy_((torch.randn(pool.kv_buffers[0].shape, device="cuda") * 2).to(torch.float8_e4m3fn))
-    seq = torch.tensor(lens, device="cuda")
-    batch = uniform_batch(ForwardMode.TARGET_VERIFY, pool.req_to_token, torch.tensor(rows, device="cuda"), seq - q_len,
-                          q_len, seq)
-    spec = LayerSpec(num_heads=16, sm_scale=192**-0.5)
-    q = torch.randn(batch.num_tokens, 16, 576, device="cuda", dtype=torch.bfloat16)
-    kv_new = torch.randn(batch.num_tokens, 576, device="cuda", dtype=torch.bfloat16) * kv_scale
-    outs = []
-    for name in ("torch_ref", "triton_mla"):
-        backend = get_backend_class(name)(pool.view(), spec, 4, 8)
-        backend.init_forward_metadata(batch)
-        outs.append(backend.forward(q, kv_new, 0, batch).float())
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-2 * max(kv_scale, 1.0), rtol=2e-2)
+    compare("triton_mla", _uniform(ForwardMode.TARGET_VERIFY, q_len), dtype=torch.float8_e4m3fn, kv_scale=kv_scale,
+            spread=2.0, atol=2e-2 * max(kv_scale, 1.0), rtol=2e-2)
 
 
 @pytest.mark.parametrize("kv_scale", [1.0, 0.25])
