@@ -42,6 +42,8 @@ class MultiStepDraftBackend:
         if len(batches) != len(self.steps):
             raise ValueError(f"{self.backend_cls.name} multi-step draft: {len(self.steps)} draft forwards take one batch "
                              f"each, got {len(batches)}")
+        if not self.steps:  # num_steps 1: the draft runs no forward of its own
+            return
         first = self.steps[0]
         first.init_forward_metadata(batches[0])
         for backend, batch in zip(self.steps[1:], batches[1:]):

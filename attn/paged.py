@@ -124,6 +124,9 @@ class PagedMLABackend:
         if bs > self.max_batch_size or shapes != ((bs,), (bs,), (bs + 1,)):
             raise ValueError(f"{self.name}: a batch of {bs} (at most max_batch_size={self.max_batch_size}) needs "
                              f"req_pool_indices and seq_lens [{bs}] and cu_seqlens_q [{bs + 1}], got {shapes}")
+        if self._graph_buffers is not None and bs > self._graph_buffers.seq_lens.shape[0]:
+            raise ValueError(f"{self.name}: a batch of {bs} is more than the graph buffers hold "
+                             f"({self._graph_buffers.seq_lens.shape[0]}); call init_cuda_graph_state with max_bs >= {bs}")
         if batch.max_kv_len is not None and not (type(batch.max_kv_len) is int and batch.max_kv_len >= 1):
             raise ValueError(f"{self.name}: max_kv_len must be None or an int >= 1, got {batch.max_kv_len!r}")
         tables = shared_block_tables
@@ -133,7 +136,9 @@ class PagedMLABackend:
         if batch.max_kv_len is not None:
             max_seq_len = min(batch.max_kv_len, max_seq_len)
         if self._graph_buffers is None:
-            self.metadata = PagedMetadata(tables, batch.seq_lens.int(), batch.cu_seqlens_q.int(), max_seq_len)
+            # Kernels take contiguous metadata; a strided view (a column of an engine's table) is copied.
+            self.metadata = PagedMetadata(tables, batch.seq_lens.int().contiguous(),
+                                          batch.cu_seqlens_q.int().contiguous(), max_seq_len)
             return
         static = self._graph_buffers
         if shared_block_tables is None:

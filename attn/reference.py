@@ -54,11 +54,13 @@ def paged_mla_reference(
     max_kv = max_pages * page_size
 
     # Gather every request's kv rows up to the static table width: [B, max_kv, 576]. Pages past a
-    # request's length may hold anything (never read, as in the kernels): slot 0 stands in for them.
+    # request's length may hold anything (never read, as in the kernels): slot 0 stands in for them,
+    # and its rows are zeroed, as a NaN there would survive its zero probability.
     offsets = torch.arange(max_kv, device=q.device)
+    in_request = offsets[None, :] < seq_lens.long()[:, None]  # [B, max_kv]
     slots = block_tables.long()[:, offsets // page_size] * page_size + offsets % page_size
-    slots = torch.where(offsets[None, :] < seq_lens.long()[:, None], slots, 0)
-    kv = kv_cache.reshape(-1, KV_DIM)[slots].float() * kv_scale
+    slots = torch.where(in_request, slots, 0)
+    kv = torch.where(in_request[..., None], kv_cache.reshape(-1, KV_DIM)[slots].float() * kv_scale, 0.0)
 
     req, idx = token_to_request(cu_seqlens_q, num_tokens)
     seq_lens = seq_lens.long()

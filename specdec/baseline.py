@@ -8,14 +8,15 @@ import math
 import torch
 
 from attn.base import ForwardMode
-from attn.registry import get_backend_class
+from attn.registry import check_device, check_page_size, get_backend_class, resolve_backends
 from specdec.batch import MAX_PREFILL_TOKENS, extend_pass, prefill_cap, prefill_pieces, uniform_batch
 from specdec.kv import MLAKVPool
 
 
 class _Session:
-    """A KV pool with one row of ``context`` positions per prompt, an attention backend, and
-    the prompts' prefill: what target-only decoding and full-sequence logits both start from."""
+    """A KV pool with one row of ``context`` positions per prompt, the decode backend and the one
+    that prefills (the decode backend, or its family's prefill fallback), and the prompts'
+    prefill: what target-only decoding and full-sequence logits both start from."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], context: int, page_size: int,
                  backend: str, kv_dtype: torch.dtype | None, kv_scale: float = 1.0) -> None:
@@ -25,18 +26,22 @@ class _Session:
         self.model, self.device, bs = model, param.device, len(prompts)
         self.pool = MLAKVPool(model.num_attention_layers, bs * context // page_size + 1, page_size, bs, context,
                               kv_dtype or param.dtype, self.device, kv_scale)
-        self.attn = get_backend_class(backend)(self.pool.view(), model.attn_spec(), bs, 1)
+        choice = resolve_backends(backend)
+        self.attn = get_backend_class(choice.target)(self.pool.view(), model.attn_spec(), bs, 1)
+        prefill_attn = self.attn
+        if choice.prefill != choice.target:
+            prefill_attn = get_backend_class(choice.prefill)(self.pool.view(), model.attn_spec(), bs, 1)
         rows = [self.pool.alloc_request() for _ in prompts]
         self.pool.ensure_capacity_many(rows, [context] * bs)
         self.rows = torch.tensor(rows, device=self.device)
         lens = [len(p) for p in prompts]
         self.last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # [B] each prompt's last token
         hidden = []  # passes of at most MAX_PREFILL_TOKENS (or the backend's max) tokens, a long prompt over several
-        for pieces in prefill_pieces(lens, prefill_cap(MAX_PREFILL_TOKENS, [self.attn])):
+        for pieces in prefill_pieces(lens, prefill_cap(MAX_PREFILL_TOKENS, [prefill_attn])):
             batch, ids, positions = extend_pass(self.pool.req_to_token, [rows[i] for i, _, _ in pieces],
                                                 [s for _, s, _ in pieces], [prompts[i][s:s + n] for i, s, n in pieces])
-            self.attn.init_forward_metadata(batch)
-            hidden.append(model(ids, positions, self.attn, batch))
+            prefill_attn.init_forward_metadata(batch)
+            hidden.append(model(ids, positions, prefill_attn, batch))
         self.prefill_hidden = torch.cat(hidden)  # [T, D], the prompts' tokens in order
 
     def decode(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -65,6 +70,11 @@ class GreedyDecoder:
         kv_scale: an fp8 cache's per-tensor scale (SpecConfig.kv_scale)."""
         bs = len(prompts)
         # (no prompts: _Session refuses them)
+        # As the worker's config settles them: kernels the device cannot run refused before any kernel
+        # library is touched, and the page size the backends take.
+        choice = resolve_backends(backend)
+        check_device(choice, next(model.parameters()).device)
+        page_size = check_page_size(choice, page_size)
         context = page_size * math.ceil((max(map(len, prompts), default=0) + max_new_tokens + 1) / page_size)
         self.model, self.cuda_graph, self.max_new_tokens = model, cuda_graph, max_new_tokens
         self.run = _Session(model, prompts, context, page_size, backend, kv_dtype, kv_scale)

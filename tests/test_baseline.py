@@ -46,3 +46,15 @@ def test_built_outside_inference_mode_it_records_no_autograd():
     decoder = GreedyDecoder(target, prompts(2, seed=2), 4)
     assert decoder.run.prefill_hidden.grad_fn is None
     assert not any(buf.requires_grad for buf in decoder.run.pool.view().kv_buffers)
+
+
+@pytest.mark.parametrize("backend", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
+def test_kernels_the_device_cannot_run_are_refused_up_front(backend):
+    """As the worker refuses them: a clear error naming the backends that run here (the decoder
+    built the backend and failed inside it: an assertion in torch, or cutedsl_mla given the prefill
+    its family hands to trtllm_mla)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("this is a Blackwell GPU")
+    target, _ = make_models()
+    with pytest.raises(ValueError, match=f"{backend} \\(target\\) needs a SM10x GPU.*backends that run here"):
+        greedy_generate(target, prompts(1, seed=3), 3, backend=backend)

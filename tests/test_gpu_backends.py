@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,6 +73,21 @@ def _extend(pool, rows, lens):
 ])
 def test_matches_torch_ref(backend, mode, batch_fn):
     compare(backend, batch_fn)
+
+
+def _strided_metadata(pool, rows, lens):
+    """A verify pass whose seq_lens and cu_seqlens_q are strided views (columns of wider tables)."""
+    batch = _uniform(ForwardMode.TARGET_VERIFY, 4)(pool, rows, lens)
+    seq_lens = torch.stack([batch.seq_lens, batch.seq_lens], dim=1)[:, 0]
+    cu_seqlens_q = torch.stack([batch.cu_seqlens_q, batch.cu_seqlens_q], dim=1)[:, 1]
+    return dataclasses.replace(batch, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla"])
+def test_strided_metadata_is_taken(backend):
+    """triton_mla refused a strided seq_lens in its kernel's checks, after the pass had written the
+    cache; the metadata takes contiguous copies."""
+    compare(backend, _strided_metadata)
 
 
 @pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla"])

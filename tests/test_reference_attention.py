@@ -89,6 +89,26 @@ def test_graph_state_keeps_buffers_that_are_large_enough():
     assert backend._graph_buffers is buffers
 
 
+def test_a_batch_past_the_graph_buffers_is_refused_clearly():
+    """Buffers for fewer requests than max_batch_size: a larger eager batch failed in a copy with
+    a shape mismatch; it is refused naming the call to make."""
+    pool = MLAKVPool(1, 16, 4, 4, 16, torch.float32)
+    rows = [pool.alloc_request() for _ in range(3)]
+    pool.ensure_capacity_many(rows, [8] * 3)
+    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=4, max_q_len=1)
+    backend.init_cuda_graph_state(2, 2)
+    seq = torch.full((3,), 6, dtype=torch.int32)
+    batch = AttnBatch(ForwardMode.DECODE, torch.tensor(rows), seq, pool.req_to_token[rows, 5].long(),
+                      torch.arange(4, dtype=torch.int32), 1, True)
+    with pytest.raises(ValueError, match="a batch of 3 is more than the graph buffers hold \\(2\\); call "
+                                         "init_cuda_graph_state with max_bs >= 3"):
+        backend.init_forward_metadata(batch)
+    assert backend.metadata is None
+    backend.init_cuda_graph_state(4, 4)
+    backend.init_forward_metadata(batch)
+    assert backend.metadata.seq_lens.tolist() == [6, 6, 6]
+
+
 def test_backend_writes_kv_then_attends():
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     row = pool.alloc_request()
@@ -247,8 +267,14 @@ def test_table_entries_past_a_request_are_never_read():
     clean = torch.tensor([[3, 6, 0, 0], [0, 0, 0, 0]], dtype=torch.int32)
     stale = torch.tensor([[3, 6, 1 << 20, -7], [1 << 20, -1, 99, 5]], dtype=torch.int32)
     q = torch.randn(2, 2, 576, generator=g)
+    expected = naive(q, kv_cache, clean, seq_lens, cu, 0.1)
     got = paged_mla_reference(q, kv_cache, stale, seq_lens, cu, 1, 0.1)
-    torch.testing.assert_close(got, naive(q, kv_cache, clean, seq_lens, cu, 0.1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # Nor do other pages' rows count, even NaN: page 0 above all, which the reference stands in for
+    # every position past a request's length with (a pool's padding sink, which padded rows write).
+    kv_cache[[0, 1, 2, 4, 5, 7]] = float("nan")
+    got = paged_mla_reference(q, kv_cache, stale, seq_lens, cu, 1, 0.1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_cache_views_backends_could_not_write_through_are_refused():
@@ -291,3 +317,8 @@ def test_multi_step_draft_takes_one_batch_per_draft_forward():
     for count in (1, 6):  # too few left later steps with the last spec step's metadata; too many were cut
         with pytest.raises(ValueError, match=f"3 draft forwards take one batch each, got {count}"):
             draft.init_forward_metadata([step(8 + k % 3) for k in range(count)])
+    one_step = MultiStepDraftBackend(TorchRefBackend, pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), 2,
+                                     num_steps=1, topk=1)
+    one_step.init_forward_metadata([])  # no draft forward of its own: nothing to build (it raised IndexError)
+    with pytest.raises(ValueError, match="0 draft forwards take one batch each, got 1"):
+        one_step.init_forward_metadata([step(5)])
