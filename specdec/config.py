@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import torch
 
 from attn.base import KV_DTYPES
 from attn.registry import (
@@ -27,9 +28,10 @@ DRAFT_MODES = ("eagle", "standalone")
 
 
 def as_int(value: object) -> Optional[int]:
-    """value as a Python int where it is an integer (numpy integers included, bools not), else None.
-    Python ints because numpy ones would wrap in size products and lack int methods."""
-    if isinstance(value, bool):
+    """value as a Python int where it is an integer (numpy integers and one-value integer tensors
+    included, bools of any kind not), else None. Python ints because numpy ones would wrap in size
+    products and lack int methods."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) in (torch.bool, np.bool_):
         return None
     try:
         return int(operator.index(value))

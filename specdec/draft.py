@@ -15,11 +15,13 @@ class DraftModel(Protocol):
     forward: ids ``[T]`` int64, positions ``[T]`` int64, hidden_in ``[T, D]`` (the target's hidden
     states at the previous position, or the draft's own while drafting; None where unused)
     -> hidden ``[T, D]``. vocab_size: the width of compute_logits' logits, which must be the
-    target's (the draft proposes target token ids).
+    target's (the draft proposes target token ids). needs_hidden_in: forward reads hidden_in
+    (an EAGLE/MTP head: SpecConfig.draft_mode "eagle" only).
     """
 
     num_attention_layers: int
     vocab_size: int
+    needs_hidden_in: bool
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, hidden_in: Optional[torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor: ...
 
@@ -30,6 +32,8 @@ class DraftModel(Protocol):
 
 class StandaloneDraft(torch.nn.Module):
     """An ordinary LM of the target's architecture used as the draft (no hidden-state input)."""
+
+    needs_hidden_in = False
 
     def __init__(self, lm: torch.nn.Module) -> None:
         super().__init__()

@@ -51,6 +51,11 @@ class EagleWorker:
         if draft.vocab_size != target.config.vocab_size:
             raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens) must be the target's "
                               f"({target.config.vocab_size}): the draft proposes target token ids")
+        if config.topk > draft.vocab_size:
+            raise ConfigError(f"topk {config.topk} exceeds the vocabulary ({draft.vocab_size} tokens); lower topk")
+        if config.draft_mode == "standalone" and draft.needs_hidden_in:
+            raise ConfigError("draft_mode='standalone' gives the draft no hidden states, which this draft reads "
+                              "(an EAGLE/MTP head); set draft_mode='eagle'")
         self.target, self.draft = target, draft
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
         choice = config.backends
@@ -166,6 +171,7 @@ class EagleWorker:
             for req in new:
                 self._release(req)
             raise
+        self._next_rid += len(new)
         for i, (req, token) in enumerate(zip(new, first)):
             req.output.append(token)  # the prefill's token is the first output
             if i not in keep:
@@ -180,13 +186,14 @@ class EagleWorker:
     def _allocate(self, prompts: list[list[int]], max_new_tokens: int, eos: Optional[int], sampling: list[SamplingParams]) -> list[Request]:
         new: list[Request] = []
         try:
-            for prompt, params in zip(prompts, sampling):
-                req = Request(self._next_rid, list(prompt), max_new_tokens, eos, self.target_pool.alloc_request(), -1, params)
+            for i, (prompt, params) in enumerate(zip(prompts, sampling)):
+                # Ids are taken once add_requests succeeds: a refused or failed admission uses none.
+                req = Request(self._next_rid + i, list(prompt), max_new_tokens, eos, self.target_pool.alloc_request(), -1,
+                              params)
                 new.append(req)
                 req.draft_row = self.draft_pool.alloc_request()
                 self.target_pool.ensure_capacity(req.target_row, len(prompt))
                 self.draft_pool.ensure_capacity(req.draft_row, len(prompt) + self.draft_offset)
-                self._next_rid += 1
         except BaseException:
             for req in new:
                 self._release(req)

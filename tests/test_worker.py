@@ -121,6 +121,17 @@ def test_a_draft_of_another_vocabulary_is_refused_up_front(target, draft_vocab):
         EagleWorker(target, narrowed, SpecConfig(num_steps=2, max_context_len=64))
 
 
+def test_drafts_the_settings_cannot_drive_are_refused_up_front(target, mtp):
+    """Both failed only at the first add_requests, in torch: a top-k past the vocabulary
+    ("selected index k out of range"), and an MTP head run standalone, given no hidden states
+    (an AttributeError inside the head)."""
+    with pytest.raises(ConfigError, match="topk 97 exceeds the vocabulary \\(96 tokens\\); lower topk"):
+        EagleWorker(target, mtp, SpecConfig(num_steps=1, topk=97, num_draft_tokens=98, max_context_len=256))
+    with pytest.raises(ConfigError, match="draft_mode='standalone' gives the draft no hidden states.*set "
+                                          "draft_mode='eagle'"):
+        EagleWorker(target, mtp, SpecConfig(num_steps=2, draft_mode="standalone", max_context_len=64))
+
+
 def test_bad_requests_leave_running_state_intact(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=3, max_context_len=64))
     group = prompts(2, seed=11)
@@ -145,6 +156,9 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
         (([[1, 2]], 0), {}, "max_new_tokens must be >= 1"),
         (([[1, 2]], 3.5), {}, "max_new_tokens must be an int"),
         (([[1, 2]], True), {}, "max_new_tokens must be an int"),
+        (([[1, 2]], torch.tensor(True)), {}, "max_new_tokens must be an int"),  # was taken as 1
+        (([torch.tensor([True, False])], 4), {}, "prompt tokens must be ints"),  # was the prompt [1, 0]
+        (([[1, 2]], 4), dict(eos_token_id=torch.tensor([True])), "eos_token_id must be one int or None"),
         (([[1.5, 2.0]], 4), {}, "prompt tokens must be ints"),
         (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
         (([[1, 2]], 4), dict(eos_token_id=2**63), "token ids must lie in"),
@@ -177,6 +191,7 @@ def test_a_failed_prefill_releases_the_new_requests(target, mtp):
     assert free_pages(worker) == free
     assert worker.requests == reqs
     more = worker.add_requests(prompts(2, seed=14), 8)  # the rows came back: room for two more
+    assert [r.rid for r in reqs + more] == [0, 1, 2, 3]  # the failed admission used no request ids
     drain(worker)
     assert [r.output for r in reqs + more] == greedy_generate(target, group + prompts(2, seed=14), 8)
 

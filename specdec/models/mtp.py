@@ -37,6 +37,7 @@ class DeepseekMTP(nn.Module):
     """
 
     num_attention_layers = 1
+    needs_hidden_in = True  # the target's hidden state at the previous position (DraftModel)
 
     def __init__(
         self,
