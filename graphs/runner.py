@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from graphs.joined import JoinedGraph
+from specdec.config import int_list
 from specdec.kv import PADDING_ROW
 from specdec.tree import VerifyTree
 from specdec.verify import AcceptResult
@@ -115,9 +116,12 @@ class GraphRunner:
         # worker frees the graphs at once, never in a garbage collection during another capture.
         if worker.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {worker.device}")
+        # The captures' warm-ups run the verify stage, whose copy to the host the step in flight awaits.
+        worker.check_idle("GraphRunner")
         self.worker = weakref.proxy(worker)
         cfg = worker.config
-        self.buckets = sorted(set(batch_sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))
+        sizes = [] if batch_sizes is None else int_list(batch_sizes, "batch_sizes must be a list of ints")
+        self.buckets = sorted(set(sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))
         if self.buckets[0] < 1 or self.buckets[-1] > cfg.max_batch_size:
             raise ValueError(f"CUDA-graph batch sizes must lie in [1, max_batch_size={cfg.max_batch_size}], got {self.buckets}")
         if self.buckets[-1] < cfg.max_batch_size and not eager_fallback:
@@ -238,7 +242,9 @@ class GraphRunner:
         bound = self.kv_bound(bucket)
         self.replay(bucket, kv_bound=bound)
         result, state, tree = self._views.get((b, bucket, bound)) or self._make_views(b, bucket, bound)
-        state = replace(state)  # a new object each step: a caller's edit of it stays its own
+        # New objects each step: a caller's edit of one stays its own, and finish_step tells a
+        # stale result from the step's.
+        result, state, tree = replace(result), replace(state), replace(tree)
         self._resident = (*vars(state).values(), target_rows, draft_rows)
         return result, state, tree
 

@@ -52,6 +52,16 @@ def require_int(value: object, rule: str, error: type[ValueError] = ValueError) 
     return checked
 
 
+def int_list(value: object, rule: str, error: type[ValueError] = ValueError) -> list[int]:
+    """value, an iterable of ints (a numpy array included), as a list of Python ints (as_int); else
+    ``error`` stating ``rule``."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise error(f"{rule}, got {value!r}")
+    return [require_int(item, rule, error) for item in value]
+
+
 @dataclass
 class SpecConfig:
     """Spec-decode settings.
@@ -199,13 +209,8 @@ class SpecConfig:
     def _check_ints(self) -> None:
         for name in ("num_steps", "topk", "page_size", "max_batch_size", "max_context_len", "max_prefill_tokens"):
             setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))
-        sizes = self.cuda_graph_batch_sizes
-        if isinstance(sizes, np.ndarray):
-            sizes = sizes.tolist()
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
-            raise ConfigError(f"cuda_graph_batch_sizes must be a list of ints, got {sizes!r}")
-        self.cuda_graph_batch_sizes = [require_int(bs, "cuda_graph_batch_sizes must be a list of ints", ConfigError)
-                                       for bs in sizes]
+        self.cuda_graph_batch_sizes = int_list(self.cuda_graph_batch_sizes, "cuda_graph_batch_sizes must be a list of ints",
+                                               ConfigError)
         for name in ("num_draft_tokens", "num_pages"):
             if getattr(self, name) is not None:
                 setattr(self, name, require_int(getattr(self, name), f"{name} must be an int", ConfigError))

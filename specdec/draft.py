@@ -16,12 +16,14 @@ class DraftModel(Protocol):
     states at the previous position, or the draft's own while drafting; None where unused)
     -> hidden ``[T, D]``. vocab_size: the width of compute_logits' logits, which must be the
     target's (the draft proposes target token ids). needs_hidden_in: forward reads hidden_in
-    (an EAGLE/MTP head: SpecConfig.draft_mode "eagle" only).
+    (an EAGLE/MTP head: SpecConfig.draft_mode "eagle" only). hidden_size: D of forward's output,
+    in the dtype of its parameters (a torch module's).
     """
 
     num_attention_layers: int
     vocab_size: int
     needs_hidden_in: bool
+    hidden_size: int
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, hidden_in: Optional[torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor: ...
 
@@ -46,6 +48,10 @@ class StandaloneDraft(torch.nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.lm.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.lm.config.hidden_size
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, hidden_in: Optional[torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
         return self.lm(ids, positions, backend, batch)

@@ -57,6 +57,7 @@ class EagleWorker:
             raise ConfigError("draft_mode='standalone' gives the draft no hidden states, which this draft reads "
                               "(an EAGLE/MTP head); set draft_mode='eagle'")
         self.target, self.draft = target, draft
+        self.draft_dtype = next(draft.parameters()).dtype  # its hidden states' (DecodeState.hidden)
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
         choice = config.backends
         check_device(choice, self.device)
@@ -116,7 +117,7 @@ class EagleWorker:
         the new requests' pages and rows and leaves the running batch as it was. Not while a step
         is in flight (between launch_step and finish_step).
         """
-        self._check_idle("add_requests")
+        self.check_idle("add_requests")
         if len(prompts) == 0:  # (a numpy array of prompts has no truth value)
             return []
         cfg = self.config
@@ -284,7 +285,7 @@ class EagleWorker:
     @torch.inference_mode()
     def launch_step(self) -> AcceptResult:
         """Reserve pages and enqueue the step's device work (graph replay or eager); no host sync."""
-        self._check_idle("launch_step")
+        self.check_idle("launch_step")
         if not self.requests:
             raise RuntimeError("no running requests: add_requests first")
         self._reserve_pages()
@@ -299,7 +300,7 @@ class EagleWorker:
         self._in_flight = result
         return result
 
-    def _check_idle(self, call: str) -> None:
+    def check_idle(self, call: str) -> None:
         """Refuse ``call`` while a step is in flight: its results apply to the batch it launched."""
         if self._in_flight is not None:
             raise RuntimeError(f"{call} while a step is in flight: finish_step(result of launch_step) first")
@@ -309,7 +310,7 @@ class EagleWorker:
         """Stop running ``requests`` now (e.g. to free pages for others): they leave the batch as
         finished, with the tokens emitted so far, and their KV pages and rows return to the pools.
         Requests already finished are left as they are. Not while a step is in flight."""
-        self._check_idle("abort")
+        self.check_idle("abort")
         stop = {id(r) for r in requests}
         self._finish_rows([i for i, r in enumerate(self.requests) if id(r) in stop])
 
@@ -333,7 +334,7 @@ class EagleWorker:
         return DecodeState(
             root=torch.empty(batch_size, dtype=torch.long, device=dev),
             seq_lens=torch.empty(batch_size, dtype=torch.long, device=dev),
-            hidden=torch.empty(batch_size, self.target.config.hidden_size, dtype=self.dtype, device=dev),
+            hidden=torch.empty(batch_size, self.draft.hidden_size, dtype=self.draft_dtype, device=dev),
             cand_probs=torch.empty(batch_size, k, dtype=torch.float32, device=dev),
             cand_ids=torch.empty(batch_size, k, dtype=torch.long, device=dev),
             temperature=torch.empty(batch_size, dtype=torch.float32, device=dev),

@@ -17,9 +17,10 @@ from graphs.runner import GRAPH_KINDS, GraphRunner, StaticInputs, default_bucket
 from specdec.baseline import GreedyDecoder, greedy_generate
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
+from specdec.models import DeepseekV3ForCausalLM
 from specdec.kv import PADDING_ROW
 from specdec.worker import EagleWorker
-from spec_helpers import VOCAB, make_models, prompts, reference, run_to_completion
+from spec_helpers import VOCAB, make_models, prompts, reference, run_to_completion, tiny_config
 
 
 def test_buckets():
@@ -53,6 +54,9 @@ def test_uncapturable_backend_refused():
         verify_backend = type("B", (), {"name": "some_mla", "supports_cuda_graph": False})()
         draft_extend_backend = verify_backend
         draft_backend = type("M", (), {"steps": []})()
+
+        def check_idle(self, call):
+            pass
 
     with pytest.raises(ValueError, match="some_mla.*cannot be captured"):
         GraphRunner(FakeWorker())
@@ -235,6 +239,45 @@ def test_graphed_target_only_decoding_equals_eager(backend):
     assert decoder.outputs() == greedy_generate(target, group, 20, **kwargs)
     with pytest.raises(RuntimeError, match="max_new_tokens"):
         decoder.step()
+
+
+@pytest.mark.gpu
+def test_runner_misuse_is_refused_and_results_are_the_steps_own():
+    """From a review: a runner built while a step was in flight ran its captures' warm-ups into
+    that step's copy to the host (its requests lost the step's tokens); each replay returned the
+    same result object, so finish_step took a stale one; numpy buckets were refused or passed on
+    as numpy ints; a standalone draft narrower than the target could not be captured."""
+    import numpy as np
+
+    target, worker = gpu_worker("triton_mla")
+    group = prompts(3, seed=2)
+    reqs = worker.add_requests(group, 16)
+    in_flight = worker.launch_step()
+    with pytest.raises(RuntimeError, match="GraphRunner while a step is in flight"):
+        GraphRunner(worker, [1, 2, 4], progress=False)
+    worker.finish_step(in_flight)
+    runner = GraphRunner(worker, np.array([1, 2, 4]), progress=False)
+    assert runner.buckets == [1, 2, 4] and all(type(b) is int for b in runner.buckets)
+    first = worker.launch_step()
+    worker.finish_step(first)
+    second = worker.launch_step()
+    assert second is not first
+    with pytest.raises(RuntimeError):
+        worker.finish_step(first)
+    worker.finish_step(second)
+    while worker.requests:
+        worker.step()
+    assert [r.output for r in reqs] == reference(target, [(group, 16)], backend="triton_mla", kv_dtype=torch.bfloat16)
+
+    torch.manual_seed(5)
+    narrow = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1, hidden_size=32)).cuda().eval()
+    cfg = SpecConfig(num_steps=3, draft_mode="standalone", attention_backend="triton_mla", kv_dtype="bf16",
+                     page_size=16, max_batch_size=4, max_context_len=256)
+    worker = EagleWorker(target, StandaloneDraft(narrow), cfg)
+    GraphRunner(worker, [1, 2, 4], progress=False)
+    groups = [(prompts(3, seed=6), 20)]
+    outputs, _ = run_to_completion(worker, groups)
+    assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

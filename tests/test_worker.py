@@ -99,12 +99,22 @@ def test_eos_and_max_new_tokens_end_requests_mid_step(target):
 
 
 def test_standalone_draft_lossless(target):
+    """Also a draft narrower than the target, in another dtype: the graph runner's static state
+    (state_template) takes its hidden states as the draft gives them (it was sized as the
+    target's, which the runner's first copy refused)."""
     torch.manual_seed(5)
     small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1)).eval()
+    narrow = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1, hidden_size=32)).to(torch.float64).eval()
     groups = [(prompts(4, seed=3), 10)]
-    worker = EagleWorker(target, StandaloneDraft(small), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, draft_mode="standalone", max_context_len=128))
-    outputs, _ = run_to_completion(worker, groups)
-    assert outputs == reference(target, groups)
+    for draft in (small, narrow):
+        worker = EagleWorker(target, StandaloneDraft(draft), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6,
+                                                                        draft_mode="standalone", max_context_len=128))
+        worker.add_requests(groups[0][0][:1], 4)
+        template = worker.state_template(4).hidden
+        assert (template.shape[1], template.dtype) == (worker.state.hidden.shape[1], worker.state.hidden.dtype)
+        drain(worker)
+        outputs, _ = run_to_completion(worker, groups)
+        assert outputs == reference(target, groups)
 
 
 @pytest.mark.parametrize("draft_vocab", [64, 128])

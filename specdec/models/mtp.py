@@ -69,6 +69,11 @@ class DeepseekMTP(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
 
     @property
+    def hidden_size(self) -> int:
+        """The width of forward's output: the target's (DraftModel)."""
+        return self.config.hidden_size
+
+    @property
     def vocab_size(self) -> int:
         """The width of compute_logits' logits: the head's (shared or its own)."""
         return self.shared_head.head.out_features
