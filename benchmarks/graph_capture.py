@@ -89,12 +89,16 @@ def _report(rows: list[dict], out: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--backend", default="triton_mla")
     ap.add_argument("--out", default="benchmarks/results/graph_capture.png")
     ap.add_argument("--child", nargs=3, metavar=("BACKEND", "CONTEXT", "KV_BOUNDS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error("this benchmark needs a CUDA GPU")
     if args.child:
         backend, context, kv_bounds = args.child
         print(json.dumps(capture(backend, int(context), kv_bounds == "1")))

@@ -384,6 +384,8 @@ def main() -> None:
     parser.add_argument("--kv-bound", action="store_true",
                         help="plan each shape for the smallest kv_plan_bounds bound that holds its seq_len")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
     suffix = ("_fp8" if args.kv_dtype == "fp8" else "") + (f"_table{args.table_tokens}" if args.table_tokens else "")
     suffix += "_bounded" if args.kv_bound else ""
     args.out = args.out or Path(f"benchmarks/mla_kernels{suffix}.png")

@@ -8,7 +8,7 @@ the median step of the fastest of HOST_ROUNDS rounds, that round's mean of launc
 its median thread CPU time, which leaves out time spent waiting for a core),
 host syncs per step, mean accept length, tokens/s with spec decoding (graphs where supported) and
 target-only (graphed where the spec step is); then graph capture time and memory. Uses the identity draft (the target as its own
-standalone draft) so nearly every step accepts num_steps tokens (2.90-2.98 of 3 in the committed
+standalone draft) so nearly every step accepts num_steps tokens (2.90-3.00 of 3 in the committed
 run) and the numbers show the machinery's cost, not a draft model's quality. Prints a table, writes CSV and a PNG.
 """
 
@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default="benchmarks/spec_step.png")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("this benchmark needs a CUDA GPU")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     target = bench_model()
     vocab = target.config.vocab_size

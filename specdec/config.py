@@ -14,7 +14,7 @@ import torch
 
 from attn.base import KV_DTYPES
 from attn.registry import (
-    BackendChoice, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
+    BackendChoice, backend_names, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
     resolve_backends,
 )
 from specdec.batch import MAX_PREFILL_TOKENS
@@ -76,8 +76,9 @@ class SpecConfig:
     attention_backend: target backend (verify, decode). decode_backend: the draft's multi-step
         backend (default: attention_backend). prefill_backend: prefill and draft-extend
         (default: attention_backend, or its family's fallback; see attn.registry).
-    page_size: tokens per KV page; must divide max_context_len.
-    kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp32", "fp8_e4m3", or "fp64" (torch_ref only).
+    page_size: tokens per KV page; must divide max_context_len. The Blackwell backends take 32 or
+        64: another value becomes 64 here, with a warning.
+    kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp8_e4m3", or "fp32" / "fp64" (torch_ref only).
     kv_scale: the per-tensor scale of an fp8_e4m3 cache, both pools: the cache stores kv / kv_scale
         (saturating at +-448) and the kernels scale back (a checkpoint's k_scale, or a calibration).
         1.0 for other kv dtypes.
@@ -160,8 +161,13 @@ class SpecConfig:
             )
         if self.draft_mode not in DRAFT_MODES:
             raise ConfigError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
-        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+        if not isinstance(self.kv_dtype, str) or (self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES):
             raise ConfigError(f"kv_dtype must be 'auto' or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        for name in ("attention_backend", "decode_backend", "prefill_backend"):
+            value, optional = getattr(self, name), name != "attention_backend"
+            if not (optional and value is None) and (not isinstance(value, str) or value not in backend_names()):
+                raise ConfigError(f"{name} must be one of {backend_names()}{' or None' if optional else ''}, "
+                                  f"got {value!r}")
         try:  # (float() overflows for an int past fp64)
             finite = is_real(self.kv_scale) and math.isfinite(float(self.kv_scale)) and self.kv_scale > 0
         except OverflowError:

@@ -39,8 +39,8 @@ class EagleWorker:
     """Runs EAGLE (or standalone-draft) speculative decoding for a changing batch of requests.
 
     The worker keeps its own validated copy of the SpecConfig (``worker.config``): later edits of
-    the caller's object reach nothing, and the backends' adjustments (a Blackwell page size) show
-    in the copy only."""
+    the caller's object reach nothing. (The backends' adjustments, a Blackwell page size, are made
+    when a SpecConfig is validated, so the caller's object shows them too.)"""
 
     def __init__(self, target: torch.nn.Module, draft: DraftModel, config: SpecConfig) -> None:
         param = next(target.parameters())

@@ -76,7 +76,11 @@ def test_config_errors_name_the_setting():
         (dict(topk=4, num_draft_tokens=3), "topk"),
         (dict(num_steps=3, num_draft_tokens=6), "num_draft_tokens"),
         (dict(topk=2, num_steps=2, num_draft_tokens=8), "num_draft_tokens"),
-        (dict(attention_backend="nope"), "unknown attention backend"),
+        (dict(attention_backend="nope"), "attention_backend must be one of .*got 'nope'"),
+        (dict(decode_backend="nope"), "decode_backend must be one of .* or None, got 'nope'"),
+        (dict(prefill_backend="nope"), "prefill_backend must be one of .* or None, got 'nope'"),
+        (dict(attention_backend=["triton_mla"]), "attention_backend must be one of"),  # was a TypeError
+        (dict(kv_dtype=["bf16"]), "kv_dtype must be 'auto' or one of"),  # was a TypeError
         (dict(page_size=24), "page_size"),
         (dict(kv_dtype="int4"), "kv_dtype"),
         (dict(draft_mode="medusa"), "draft_mode"),
