@@ -89,9 +89,7 @@ class EagleWorker:
                               f"max_batch_size={bs})") from err
         self.requests: list[Request] = []
         self.state: Optional[DecodeState] = None
-        # The tree verified by the last step, for inspection until the next launch_step: its mask is a
-        # view of the verify backend's tree-mask buffer, and under graphs every tensor is a graph's.
-        self.last_tree: Optional[VerifyTree] = None
+        self.last_tree: Optional[VerifyTree] = None  # the last step's, until the next (views of the backend's/graphs' buffers)
         self.graph_runner = None  # set by graphs.runner.GraphRunner(worker)
         # A bound on N the step's passes plan their kernels for (AttnBatch.max_kv_len: N + the pass's
         # extra kv rows); the graph runner sets it while it captures a kv bucket's step. None: none.
