@@ -200,6 +200,9 @@ def test_mtp_matches_composition_of_transformers_modules(tmp_path):
     target = DeepseekV3ForCausalLM(cfg)
     shared = load_mtp(str(tmp_path), torch.float32, target=target)
     assert shared.embed_tokens is target.embed_tokens and shared.shared_head.head is target.lm_head
+    # A target in another dtype: the draft mixed both and failed at its first forward.
+    with pytest.raises(CheckpointError, match="shares the target's .*torch.float32.*asked for torch.bfloat16"):
+        load_mtp(str(tmp_path), torch.bfloat16, target=target)
 
 
 # --------------------------------------------------------------------------- HF round trip
@@ -220,9 +223,13 @@ def test_round_trip_with_mtp(tmp_path, variant):
     seqs = sequences(cfg.vocab_size)
     for a, b in zip(target_logits(model, seqs), target_logits(loaded, seqs)):
         assert torch.equal(a, b)
-    assert loaded_mtp.state_dict().keys() == mtp.state_dict().keys()
-    for name, t in mtp.state_dict().items():
-        assert torch.equal(loaded_mtp.state_dict()[name], t), name
+    # With its copies of the embedding and head (the tied target's were written once), the MTP
+    # loads without target= too.
+    alone = load_mtp(str(tmp_path), torch.float32)
+    for got in (loaded_mtp, alone):
+        assert got.state_dict().keys() == mtp.state_dict().keys()
+        for name, t in mtp.state_dict().items():
+            assert torch.equal(got.state_dict()[name], t), name
 
     # transformers reads what we write and computes the same logits.
     transformers = pytest.importorskip("transformers")
@@ -260,6 +267,12 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
     name = "model.layers.0.self_attn.kv_b_proj.weight"
     save_file({**good, name: good[name].to(torch.float8_e4m3fn)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{name} is torch.float8_e4m3fn.*dequantise"):
+        load_deepseek(str(tmp_path), torch.float32)
+
+    # Without an index json, a weight in two files: the later file's copy was taken silently.
+    save_file(good, tmp_path / "model.safetensors")
+    save_file({"model.norm.weight": torch.zeros_like(good["model.norm.weight"])}, tmp_path / "zz-extra.safetensors")
+    with pytest.raises(CheckpointError, match="model.norm.weight is in both .*model.safetensors and .*zz-extra"):
         load_deepseek(str(tmp_path), torch.float32)
 
 

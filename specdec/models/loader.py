@@ -58,6 +58,11 @@ def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu"
     absent = [n for n in _MTP_SHARED if prefix + n not in index]
     if absent and target is None:
         raise CheckpointError(f"{path}: the MTP layer has no {[prefix + n for n in absent]}; pass target= to share the target's")
+    if absent:
+        weight, want = target.embed_tokens.weight, torch.device(device)
+        if weight.dtype != dtype or weight.device.type != want.type or want.index not in (None, weight.device.index):
+            raise CheckpointError(f"{path}: the MTP layer shares the target's {absent}, which is {weight.dtype} on "
+                                  f"{weight.device}; asked for {dtype} on {device}: load both alike")
     mtp = DeepseekMTP(config, None, dtype, device,
                       embed_tokens=target.embed_tokens if "embed_tokens.weight" in absent else None,
                       head=target.lm_head if "shared_head.head.weight" in absent else None)
@@ -76,7 +81,8 @@ def save_deepseek(model: DeepseekV3ForCausalLM, path: str, mtp: Optional[Deepsee
     tensors = {n: t.detach() for n, t in _own_tensors(model).items()}
     if mtp is not None:
         prefix = f"model.layers.{model.config.num_hidden_layers}."
-        for name, t in _own_tensors(mtp).items():
+        # Every name, shared ones too: a tied embedding and head are two tensors in the release.
+        for name, t in mtp.state_dict(keep_vars=True).items():
             tensors[prefix + _mtp_checkpoint_name(name)] = t.detach()
     written: set[int] = set()
     out = {}
@@ -105,7 +111,10 @@ def _weight_index(path: str) -> dict[str, str]:
     index = {}
     for file in files:
         with safe_open(file, "pt") as f:
-            index.update({name: file for name in f.keys()})
+            for name in f.keys():
+                if name in index:  # without an index json, no file says which copy is meant
+                    raise CheckpointError(f"{path}: {name} is in both {index[name]} and {file}")
+                index[name] = file
     return index
 
 
