@@ -280,6 +280,9 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
     ("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("n_group", 3), ("topk_group", 5), ("num_experts_per_tok", 5),
     ("rope_scaling", {"type": "linear", "factor": 2.0}), ("quantization_config", {"quant_method": "fp8"}),
     ("hidden_act", "gelu"), ("q_lora_rank", 0),
+    # Of the wrong type (they raised TypeErrors naming no field, or failed in torch or math later):
+    ("n_shared_experts", None), ("routed_scaling_factor", None), ("hidden_size", 64.0), ("rope_scaling", "yarn"),
+    ("rope_interleave", "false"), ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}),
 ])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):

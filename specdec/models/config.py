@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
@@ -88,6 +89,7 @@ class DeepseekV3Config:
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raise ValueError naming the first field this implementation cannot run."""
+        self._validate_types()
         if self.kv_lora_rank != KV_LORA_RANK or self.qk_rope_head_dim != QK_ROPE_DIM:
             raise ValueError(
                 f"kv_lora_rank must be {KV_LORA_RANK} and qk_rope_head_dim {QK_ROPE_DIM}: the attention backends use a "
@@ -111,6 +113,21 @@ class DeepseekV3Config:
         if self.rope_scaling is not None:
             self._validate_yarn()
 
+    def _validate_types(self) -> None:
+        """Each field of the type its annotation names (a JSON null, a string or a float where an int
+        belongs failed later, in torch or in math, naming no field); ints pass for floats."""
+        checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+                  "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+                  "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+                  "dict": lambda v: isinstance(v, dict)}
+        for f in fields(self):
+            kind, value = str(f.type), getattr(self, f.name)
+            optional = kind.startswith("Optional[")
+            base = (kind[len("Optional["):-1] if optional else kind).split("[")[0]
+            if not (optional and value is None):
+                article = "an" if base == "int" else "a"
+                _check(checks[base](value), f.name, f"must be {'None or ' if optional else ''}{article} {base}", value)
+
     def _validate_moe(self) -> None:
         e = self.n_routed_experts
         _check(self.scoring_func == "sigmoid", "scoring_func", "must be 'sigmoid'", self.scoring_func)
@@ -133,7 +150,11 @@ class DeepseekV3Config:
         _check(kind == "yarn", "rope_scaling", "must be None or a YaRN dict (type 'yarn')", rs)
         missing = [k for k in _YARN_REQUIRED if k not in rs]
         _check(not missing, "rope_scaling", f"needs {missing}", rs)
-        _check(rs["factor"] > 0 and math.isfinite(rs["factor"]), "rope_scaling", "needs a positive factor", rs)
+        factor, original = rs["factor"], rs["original_max_position_embeddings"]
+        _check(isinstance(factor, numbers.Real) and not isinstance(factor, bool) and factor > 0 and math.isfinite(factor),
+               "rope_scaling", "needs a positive factor", rs)
+        _check(isinstance(original, int) and not isinstance(original, bool) and original > 0, "rope_scaling",
+               "needs a positive int original_max_position_embeddings", rs)
 
     # ---------------------------------------------------------------------- I/O
     @classmethod
@@ -146,7 +167,7 @@ class DeepseekV3Config:
             d.setdefault("rope_theta", params.get("rope_theta", cls.rope_theta))
             d.setdefault("rope_scaling", {k: v for k, v in params.items() if k != "rope_theta"})
         scaling = d.get("rope_scaling")
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
             d["rope_scaling"] = None
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
