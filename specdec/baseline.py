@@ -8,25 +8,24 @@ import math
 import torch
 
 from attn.base import ForwardMode
-from attn.registry import check_device, check_page_size, get_backend_class, resolve_backends
+from attn.registry import BackendChoice, check_device, check_page_size, get_backend_class, resolve_backends
 from specdec.batch import MAX_PREFILL_TOKENS, extend_pass, prefill_cap, prefill_pieces, uniform_batch
 from specdec.kv import MLAKVPool
 
 
 class _Session:
-    """A KV pool with one row of ``context`` positions per prompt, the decode backend and the one
-    that prefills (the decode backend, or its family's prefill fallback), and the prompts'
-    prefill: what target-only decoding and full-sequence logits both start from."""
+    """A KV pool with one row of ``context`` positions per prompt, the decode backend (``choice``'s
+    target) and the one that prefills (the same, or its family's prefill fallback), and the
+    prompts' prefill: what target-only decoding and full-sequence logits both start from."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], context: int, page_size: int,
-                 backend: str, kv_dtype: torch.dtype | None, kv_scale: float = 1.0) -> None:
+                 choice: BackendChoice, kv_dtype: torch.dtype | None, kv_scale: float = 1.0) -> None:
         if len(prompts) == 0 or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("target-only decoding needs at least one prompt, and every prompt at least one token")
         param = next(model.parameters())
         self.model, self.device, bs = model, param.device, len(prompts)
         self.pool = MLAKVPool(model.num_attention_layers, bs * context // page_size + 1, page_size, bs, context,
                               kv_dtype or param.dtype, self.device, kv_scale)
-        choice = resolve_backends(backend)
         self.attn = get_backend_class(choice.target)(self.pool.view(), model.attn_spec(), bs, 1)
         prefill_attn = self.attn
         if choice.prefill != choice.target:
@@ -77,7 +76,7 @@ class GreedyDecoder:
         page_size = check_page_size(choice, page_size)
         context = page_size * math.ceil((max(map(len, prompts), default=0) + max_new_tokens + 1) / page_size)
         self.model, self.cuda_graph, self.max_new_tokens = model, cuda_graph, max_new_tokens
-        self.run = _Session(model, prompts, context, page_size, backend, kv_dtype, kv_scale)
+        self.run = _Session(model, prompts, context, page_size, choice, kv_dtype, kv_scale)
         self.token = model.compute_logits(self.run.prefill_hidden[self.run.last]).argmax(-1)
         self.tokens = [self.token.clone()]  # [B] int64 each, on the device
         lens = [len(p) for p in prompts]
@@ -143,7 +142,7 @@ def sequence_logits(model: torch.nn.Module, ids: list[int], decode_steps: int = 
     """``[len(ids), vocab]`` logits of one sequence through the torch_ref backend, in the model's
     dtype and device: a prefill of all but the last ``decode_steps`` tokens, then one-token decodes."""
     page, n = 16, len(ids) - decode_steps
-    run = _Session(model, [ids[:n]], page * (len(ids) // page + 1), page, "torch_ref", None)
+    run = _Session(model, [ids[:n]], page * (len(ids) // page + 1), page, resolve_backends("torch_ref"), None)
     logits = [model.compute_logits(run.prefill_hidden)]
     for p in range(n, len(ids)):
         pos = torch.tensor([p], device=run.device)

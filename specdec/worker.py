@@ -57,7 +57,6 @@ class EagleWorker:
             raise ConfigError("draft_mode='standalone' gives the draft no hidden states, which this draft reads "
                               "(an EAGLE/MTP head); set draft_mode='eagle'")
         self.target, self.draft = target, draft
-        self.draft_dtype = next(draft.parameters()).dtype  # its hidden states' (DecodeState.hidden)
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
         choice = config.backends
         check_device(choice, self.device)
@@ -332,7 +331,8 @@ class EagleWorker:
         return DecodeState(
             root=torch.empty(batch_size, dtype=torch.long, device=dev),
             seq_lens=torch.empty(batch_size, dtype=torch.long, device=dev),
-            hidden=torch.empty(batch_size, self.draft.hidden_size, dtype=self.draft_dtype, device=dev),
+            hidden=torch.empty(batch_size, self.draft.hidden_size, dtype=next(self.draft.parameters()).dtype,
+                                device=dev),  # the draft's hidden states
             cand_probs=torch.empty(batch_size, k, dtype=torch.float32, device=dev),
             cand_ids=torch.empty(batch_size, k, dtype=torch.long, device=dev),
             temperature=torch.empty(batch_size, dtype=torch.float32, device=dev),
