@@ -283,6 +283,11 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
     # Of the wrong type (they raised TypeErrors naming no field, or failed in torch or math later):
     ("n_shared_experts", None), ("routed_scaling_factor", None), ("hidden_size", 64.0), ("rope_scaling", "yarn"),
     ("rope_interleave", "false"), ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}),
+    # Out of range (a negative beta failed in math.log when the model was built; the factor
+    # flipped the routed experts' output):
+    ("routed_scaling_factor", -2.5), ("routed_scaling_factor", 0),
+    *(("rope_scaling", {**YARN, key: value}) for key, value in (("beta_fast", -32), ("beta_slow", "1"), ("mscale", -1.0),
+                                                               ("attention_factor", 0), ("truncate", "no"))),
 ])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -316,6 +321,14 @@ def test_token_ids_out_of_range_raise_before_any_kv_write():
             mtp(torch.tensor(bad), torch.arange(2), torch.zeros(2, cfg.hidden_size), backend, batch)
         with pytest.raises(ValueError, match="vocab_size=80"):
             validate_token_ids(bad, cfg.vocab_size)
+    # Float ids or positions, and negative positions (float positions were rotated as given).
+    for ids, pos, message in ((torch.tensor([3.0, 4.0]), torch.arange(2), "int64 or int32"),
+                              (torch.tensor([3, 4]), torch.arange(2.0), "int64 or int32"),
+                              (torch.tensor([3, 4]), torch.tensor([-1, 0]), "positions must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            model(ids, pos, backend, batch)
+        with pytest.raises(ValueError, match=message):
+            mtp(ids, pos, torch.zeros(2, cfg.hidden_size), backend, batch)
     assert all(not buf.any() for buf in pool.kv_buffers)
     validate_token_ids([0, cfg.vocab_size - 1], cfg.vocab_size)
 

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM
 
 _YARN_REQUIRED = ("factor", "original_max_position_embeddings")
+_YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
 
 @dataclass
@@ -117,7 +118,7 @@ class DeepseekV3Config:
         """Each field of the type its annotation names (a JSON null, a string or a float where an int
         belongs failed later, in torch or in math, naming no field); ints pass for floats."""
         checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-                  "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+                  "float": _is_real,
                   "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
                   "dict": lambda v: isinstance(v, dict)}
         for f in fields(self):
@@ -139,6 +140,8 @@ class DeepseekV3Config:
         selectable = self.topk_group * e // self.n_group
         _check(0 < self.num_experts_per_tok <= selectable, "num_experts_per_tok",
                f"must be in [1, topk_group * experts per group = {selectable}]", self.num_experts_per_tok)
+        # Scales the routed experts' weights; a negative or zero factor flips or drops their output.
+        _check(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be positive", self.routed_scaling_factor)
         _check(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive", self.moe_intermediate_size)
         _check(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0", self.n_shared_experts)
         _check(self.first_k_dense_replace >= 0, "first_k_dense_replace", "must be >= 0", self.first_k_dense_replace)
@@ -151,10 +154,17 @@ class DeepseekV3Config:
         missing = [k for k in _YARN_REQUIRED if k not in rs]
         _check(not missing, "rope_scaling", f"needs {missing}", rs)
         factor, original = rs["factor"], rs["original_max_position_embeddings"]
-        _check(isinstance(factor, numbers.Real) and not isinstance(factor, bool) and factor > 0 and math.isfinite(factor),
-               "rope_scaling", "needs a positive factor", rs)
+        _check(_is_real(factor) and factor > 0, "rope_scaling", "needs a positive factor", rs)
         _check(isinstance(original, int) and not isinstance(original, bool) and original > 0, "rope_scaling",
                "needs a positive int original_max_position_embeddings", rs)
+        # Optional. A null or 0 beta or mscale takes transformers' default (beta_fast 32, beta_slow 1,
+        # no mscale); an attention_factor multiplies cos and sin as given. A negative beta failed in
+        # math.log when the model was built, a string in arithmetic.
+        for key in _YARN_OPTIONAL:
+            value, positive = rs.get(key), key == "attention_factor"
+            _check(value is None or (_is_real(value) and (value > 0 if positive else value >= 0)), "rope_scaling",
+                   f"needs {key} {'a positive' if positive else 'a non-negative'} number or null", rs)
+        _check(isinstance(rs.get("truncate", True), bool), "rope_scaling", "needs truncate a bool", rs)
 
     # ---------------------------------------------------------------------- I/O
     @classmethod
@@ -182,6 +192,11 @@ class DeepseekV3Config:
         d = asdict(self)
         d.pop("quantization_config")  # always None here
         return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **d}
+
+
+def _is_real(value: Any) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:

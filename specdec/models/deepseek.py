@@ -38,12 +38,21 @@ def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int)
     raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {bad}")
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
 def check_inputs(input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> None:
-    """Shape checks always; value checks only for CPU ids (free there, a sync elsewhere)."""
+    """Shape and dtype checks always; value checks only for CPU tensors (free there, a sync
+    elsewhere). Float positions were rotated at fractional angles, float ids failed in the
+    embedding naming no argument."""
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
         raise ValueError(f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+    if input_ids.dtype not in _INDEX_DTYPES or positions.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"input_ids and positions must be int64 or int32; got {input_ids.dtype} and {positions.dtype}")
     if input_ids.device.type == "cpu":
         validate_token_ids(input_ids, vocab_size)
+    if positions.device.type == "cpu" and positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0; got {int(positions.min())}")
 
 
 def softmax_scale(cfg: DeepseekV3Config) -> float:
