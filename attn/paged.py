@@ -98,6 +98,12 @@ class PagedMLABackend:
         self.layer = layer
         self.page_size = kv.page_size
         self.max_pages = math.ceil(kv.max_context_len / kv.page_size)
+        table_tokens = self.max_pages * self.page_size
+        if table_tokens % self.table_tokens_multiple:
+            step = self.table_tokens_multiple
+            raise ValueError(f"{self.name} needs block tables spanning a multiple of {step} tokens, not {table_tokens} "
+                             f"(the KV pool's max_context_len {kv.max_context_len} in pages of {self.page_size}); "
+                             f"raise max_context_len to {-(-table_tokens // step) * step}")
         self.max_batch_size = max_batch_size
         self.max_q_len = max_q_len
         self.metadata: Optional[PagedMetadata] = None

@@ -74,7 +74,9 @@ class GreedyDecoder:
         choice = resolve_backends(backend)
         check_device(choice, next(model.parameters()).device)
         page_size = check_page_size(choice, page_size)
-        context = page_size * math.ceil((max(map(len, prompts), default=0) + max_new_tokens + 1) / page_size)
+        # Pages, and whole block-table widths where a backend needs them (cutedsl_mla: 128 tokens).
+        step = math.lcm(page_size, *(cls.table_tokens_multiple for cls in choice.classes().values()))
+        context = step * math.ceil((max(map(len, prompts), default=0) + max_new_tokens + 1) / step)
         self.model, self.cuda_graph, self.max_new_tokens = model, cuda_graph, max_new_tokens
         self.run = _Session(model, prompts, context, page_size, choice, kv_dtype, kv_scale)
         self.token = model.compute_logits(self.run.prefill_hidden[self.run.last]).argmax(-1)

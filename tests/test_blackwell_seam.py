@@ -15,6 +15,7 @@ from attn.paged import PagedMLABackend, RaggedKernelBackend
 from attn.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
 from attn.torch_ref import TorchRefBackend
 from attn.trtllm_mla import TrtllmMLABackend
+from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.worker import EagleWorker
@@ -35,6 +36,8 @@ def kernel_calls(monkeypatch):
         assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
         assert block_tables.shape == (bs, self.max_pages) and seq_lens.shape == (bs,)
         assert max_seq_len == self.max_pages * self.page_size
+        if self.name == "cutedsl_mla":  # FlashInfer's cute-dsl path: tables of whole 128-token blocks
+            assert block_tables.shape[1] % (128 // self.page_size) == 0
         calls.append((self.name, q_len))
         return RaggedKernelBackend._run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
 
@@ -204,3 +207,23 @@ def test_cutedsl_refuses_prefill_naming_its_fallback(kernel_calls):
         with pytest.raises(ValueError, match="cutedsl_mla runs no extend pass; trtllm_mla serves it"):
             backend.forward(torch.randn(4, 16, 576), torch.randn(4, 576), 0, batch)
     assert kernel_calls == [] and not pool.kv_buffers[0].any()
+
+
+@pytest.mark.parametrize("backend", ["cutedsl_mla", "trtllm_mla", "tokenspeed_mla"])
+def test_target_only_decoding_through_the_seam(target, kernel_calls, backend):
+    """The baseline decoder sizes its block tables as each backend needs: with pages of 64 and
+    prompts that fit one page, cutedsl_mla's tables were one page wide and FlashInfer's cute-dsl
+    path refused them (whole 128-token blocks) at the first decode."""
+    kv_dtype = KV_DTYPES["fp8_e4m3" if backend == "tokenspeed_mla" else "bf16"]
+    group = prompts(2, seed=31)
+    assert max(map(len, group)) + 8 < 64
+    out = greedy_generate(target, group, 8, backend=backend, page_size=64, kv_dtype=kv_dtype)
+    assert out == greedy_generate(target, group, 8, page_size=64, kv_dtype=kv_dtype)
+    assert backend in {name for name, _ in kernel_calls}  # (cutedsl_mla's prefill: trtllm_mla)
+
+
+def test_a_table_width_the_kernel_refuses_is_refused_at_construction():
+    pool = MLAKVPool(1, num_pages=4, page_size=64, max_requests=1, max_context_len=64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cutedsl_mla needs block tables spanning a multiple of 128 tokens, not 64.*"
+                                         "raise max_context_len to 128"):
+        CuteDslMLABackend(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), max_batch_size=1, max_q_len=1)
