@@ -51,6 +51,7 @@ __all__ = [
     "compile_cutedsl_decode",
     "compile_tokenspeed_decode",
     "cutedsl_decode_variant",
+    "distinct_variants",
     "fake_b200",
     "tokenspeed_decode_variant",
 ]
@@ -549,3 +550,22 @@ def compile_cutedsl_decode(
         num_heads, q_len, page_size, kv_dtype,
         batch_size=batch_size, max_seq_len=max_seq_len, cute_dsl_impl=cute_dsl_impl,
     ).compile()
+
+
+def distinct_variants(
+    variant_fn: Callable[..., KernelVariant], shapes: list[Mapping[str, Any]]
+) -> list[tuple[KernelVariant, list[Mapping[str, Any]]]]:
+    """The distinct kernel variants ``variant_fn`` (:func:`tokenspeed_decode_variant` or
+    :func:`cutedsl_decode_variant`) captures for ``shapes`` (its keyword arguments, one dict a
+    call), in first-seen order, each with the shapes that ask for it.
+
+    A worker's serving sizes (batch sizes x max_seq_len) map to a few variants, as the libraries
+    pick split-KV from both: capturing is cheap (~0.01 s), so every size is captured and each
+    variant compiled once.
+    """
+    seen: dict[str, tuple[KernelVariant, list[Mapping[str, Any]]]] = {}
+    for shape in shapes:
+        variant = variant_fn(**shape)
+        key = repr(sorted(variant.kwargs.items()))
+        seen.setdefault(key, (variant, []))[1].append(shape)
+    return list(seen.values())

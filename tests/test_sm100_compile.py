@@ -2,7 +2,10 @@
 
 Each test compiles, for sm_100a, the exact kernel variant that the library's runtime entry point
 would launch for one (num_heads, q_len, page_size, kv dtype) of the worker: q_len 1 is a draft /
-decode step, q_len 4 a verify pass with num_draft_tokens=4. See attn/sm100_compile.py.
+decode step, q_len 4 a verify pass with num_draft_tokens=4. The libraries also pick split-KV (the
+reducer compiled into the kernel) from the batch size and max_seq_len, so the serving tests
+capture a worker's every batch size and compile each distinct variant of its graph buckets. See
+attn/sm100_compile.py.
 
 The kernel libraries are optional. Install them without pulling a CUDA build of torch (the torch
 pin keeps the preinstalled CPU torch; ~1 min on 2 cores):
@@ -12,7 +15,7 @@ pin keeps the preinstalled CPU torch; ~1 min on 2 cores):
         nvidia-cutlass-dsl==4.8.1 tokenspeed-mla==2.0.4
 
 Without them the compile tests skip (pytest.importorskip). Each compile takes 3-6 s on 2 cores;
-the 24 variants below take about 2 minutes in all.
+the 24 shape variants take about 2 minutes in all, the 19 serving variants about 70 s.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from attn.sm100_compile import (
     compile_cutedsl_decode,
     compile_tokenspeed_decode,
     cutedsl_decode_variant,
+    distinct_variants,
     fake_b200,
     tokenspeed_decode_variant,
 )
@@ -211,18 +215,66 @@ def test_cutedsl_rejects_more_than_128_heads() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("library", ["tokenspeed", "cutedsl"])
-def test_capture_at_serving_sizes_allocates_no_workspace(library) -> None:
-    if library == "tokenspeed":
+# The worker's requests: a DeepSeek-V3 worker at tensor parallelism 8 (16 heads a rank) under CUDA
+# graphs. Each backend's decode kernel serves the passes the registry gives its family, at the
+# graph runner's batch buckets, over block tables max_context_len wide (max_seq_len).
+SERVING = dict(num_steps=3, topk=1, page_size=64, max_batch_size=64, max_context_len=32768)
+SERVING_HEADS = 16
+
+
+def _serving_shapes(backend: str, kv_dtype: str, batch_sizes: list[int], num_heads: int,
+                    page_size: int = SERVING["page_size"]) -> list[dict]:
+    from attn.base import KV_DTYPES as POOL_DTYPES
+    from attn.registry import resolve_backends
+    from specdec.config import SpecConfig
+
+    cfg = SpecConfig(**{**SERVING, "page_size": page_size}, attention_backend=backend, kv_dtype=kv_dtype)
+    choice = resolve_backends(cfg.attention_backend, cfg.decode_backend, cfg.prefill_backend)
+    q_lens = {q_len for role, q_len in (("target", cfg.num_draft_tokens), ("draft", cfg.topk),
+                                         ("draft_extend", cfg.num_steps + 1)) if getattr(choice, role) == backend}
+    return [dict(num_heads=num_heads, q_len=q_len, page_size=page_size, kv_dtype=POOL_DTYPES[kv_dtype], batch_size=bs,
+                 max_seq_len=cfg.max_context_len) for q_len in sorted(q_lens) for bs in batch_sizes]
+
+
+SERVING_BACKENDS = [
+    pytest.param("tokenspeed_mla", "fp8_e4m3", id="tokenspeed_mla"),
+    pytest.param("cutedsl_mla", "bf16", id="cutedsl_mla"),
+]
+
+
+def _variant_fn(backend: str):
+    if backend == "tokenspeed_mla":
         _need_tokenspeed()
-        variant_fn = tokenspeed_decode_variant
-    else:
-        _need_flashinfer()
-        variant_fn = cutedsl_decode_variant
-    small = variant_fn(128, 4, PAGE_SIZE, torch.float8_e4m3fn, batch_size=1, max_seq_len=4096)
-    large = variant_fn(128, 4, PAGE_SIZE, torch.float8_e4m3fn, batch_size=256,
-                       max_seq_len=163840)
-    assert small.kwargs != large.kwargs  # different split-KV reducer -> a different kernel
+        return tokenspeed_decode_variant
+    _need_flashinfer()
+    return cutedsl_decode_variant
+
+
+@pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
+def test_every_variant_the_worker_requests_compiles(backend, kv_dtype, record_property) -> None:
+    """The variants at the graph runner's default buckets (1, 2, 4, 8, 16, ... 64) and the
+    verify, draft and draft-extend q_lens the family serves, each compiled once."""
+    from graphs.runner import default_buckets
+
+    shapes = _serving_shapes(backend, kv_dtype, default_buckets(SERVING["max_batch_size"]), SERVING_HEADS)
+    variants = distinct_variants(_variant_fn(backend), shapes)
+    # Split-KV follows the batch size: more than one variant per q_len.
+    assert len({shape["q_len"] for shape in shapes}) < len(variants) < len(shapes)
+    seconds = [variant.compile() for variant, _ in variants]
+    record_property("variants", len(variants))
+    record_property("compile_seconds", round(sum(seconds), 1))
+
+
+@pytest.mark.parametrize("page_size", [32, 64])
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
+def test_every_eager_batch_size_is_a_variant_the_library_takes(backend, kv_dtype, num_heads, page_size) -> None:
+    """Eager batches take any size up to max_batch_size: each size's variant is one the library's
+    own checks accept (captured, not compiled: ~0.01 s each)."""
+    shapes = _serving_shapes(backend, kv_dtype, list(range(1, SERVING["max_batch_size"] + 1)), num_heads, page_size)
+    variants = distinct_variants(_variant_fn(backend), shapes)  # KernelUnsupportedError: a size refused
+    assert {(v.kwargs["num_heads"], v.kwargs["page_size"]) for v, _ in variants} == {(num_heads, page_size)}
+    assert all(v.kwargs["seq_len_q"] == shape["q_len"] for v, asked in variants for shape in asked)
 
 
 def test_fake_b200_pins_the_cute_dsl_default_arch() -> None:
