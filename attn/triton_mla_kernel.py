@@ -15,6 +15,8 @@ The module imports without Triton (CPU-only installs): planning and input checks
 """
 
 import functools
+import math
+import numbers
 from types import SimpleNamespace
 
 import torch
@@ -74,8 +76,8 @@ def _attend_tile(
         # Tiles start at multiples of BLOCK_N, so the whole tile lies in one page: one block-table
         # read and rows at a fixed stride from it (rows past kv_len stay inside the page).
         page = tl.load(bt_row_ptr + start // PAGE_SIZE).to(tl.int64)
-        first = kv_ptr + page * stride_kv_page + (start % PAGE_SIZE) * stride_kv_row
-        row_ptr = first + tl.arange(0, BLOCK_N) * stride_kv_row
+        first = kv_ptr + page * stride_kv_page + (start % PAGE_SIZE).to(tl.int64) * stride_kv_row
+        row_ptr = first + tl.arange(0, BLOCK_N).to(tl.int64) * stride_kv_row
     else:
         if MASKED:
             page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=in_range, other=0)
@@ -160,7 +162,9 @@ def _mla_attention_kernel(
     oth_off = (V_SPLIT - 1 - v_part) * D_V
     offs_d = tl.arange(0, D_V)
     offs_pe = tl.arange(0, D_PE)
-    q_row_ptr = q_ptr + token * stride_qt + head * stride_qh
+    # int64 products: q's and out's strides are the caller's (a head stride of a transposed view
+    # times 127 heads passes 2**31).
+    q_row_ptr = q_ptr + token * stride_qt + head.to(tl.int64) * stride_qh
     q_nope = tl.load(q_row_ptr[:, None] + own_off + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     if V_SPLIT == 2:
         q_oth = tl.load(q_row_ptr[:, None] + oth_off + offs_d[None, :], mask=row_valid[:, None], other=0.0)
@@ -195,7 +199,7 @@ def _mla_attention_kernel(
     # A row that saw nothing has acc == 0 and l == 0: it outputs exactly 0.
     saw_any = l_i > 0
     o = acc * (v_scale / tl.where(saw_any, l_i, 1.0))[:, None]
-    o_row_ptr = o_ptr + token * stride_ot + head * stride_oh
+    o_row_ptr = o_ptr + token * stride_ot + head.to(tl.int64) * stride_oh
     o = o.to(o_ptr.dtype.element_ty)
     if DIRECT:
         tl.store(o_row_ptr[:, None] + own_off + offs_d[None, :], o, mask=row_valid[:, None])
@@ -260,7 +264,8 @@ def _mla_reduce_kernel(
             lines = part_row_ptr + s[:, None] * stride_ps + offs_line[None, :]
             tl.inline_asm_elementwise("discard.global.L2 [$1], 128; // $0", "=r,l", [lines], dtype=tl.int32,
                                       is_pure=False, pack=1)
-    tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=is_query)
+    tl.store(out_ptr + t64 * stride_ot + h.to(tl.int64) * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=is_query)
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,6 +286,11 @@ def _expect(ok: bool, message: str) -> None:
         raise ValueError(f"mla_paged_attention: {message}")
 
 
+def _is_int(value: object) -> bool:
+    """A Python int, not a bool (True went to the kernel as a 1-bit argument, or as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_inputs(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -292,8 +302,10 @@ def _check_inputs(
     out: torch.Tensor | None,
     num_splits: int | None,
     max_kv_len: int | None,
+    sm_scale: float = 1.0,
+    kv_scale: float = 1.0,
 ) -> None:
-    """Shape, dtype, layout and device checks; reads no GPU value."""
+    """Shape, dtype, layout, device and scalar checks; reads no GPU value."""
     _expect(q.dim() == 3 and q.shape[2] == KV_DIM, f"q must be [T, H, {KV_DIM}], got {tuple(q.shape)}")
     _expect(q.dtype in (torch.bfloat16, torch.float16), f"q must be bfloat16 or float16, got {q.dtype}")
     _expect(q.stride(2) == 1, f"q's last dim must be contiguous, got strides {q.stride()}")
@@ -312,7 +324,11 @@ def _check_inputs(
     _expect(cu_seqlens_q.shape == (batch_size + 1,) and cu_seqlens_q.dtype == torch.int32,
             f"cu_seqlens_q must be [B+1={batch_size + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
     _expect(seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous(), "seq_lens and cu_seqlens_q must be contiguous")
-    _expect(isinstance(max_q_len, int) and max_q_len >= 1, f"max_q_len must be a positive int, got {max_q_len!r}")
+    _expect(_is_int(max_q_len) and max_q_len >= 1, f"max_q_len must be a positive int, got {max_q_len!r}")
+    for name, scale in (("sm_scale", sm_scale), ("kv_scale", kv_scale)):
+        # A tensor failed inside Triton; NaN or inf made every output non-finite.
+        _expect(isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
+                f"{name} must be a finite positive float, got {scale!r}")
     if custom_mask is not None:
         _expect(custom_mask.dtype == torch.bool, f"custom_mask must be bool, got {custom_mask.dtype}")
         _expect(custom_mask.dim() == 3 and custom_mask.shape[:2] == (batch_size, max_q_len) and custom_mask.shape[2] >= 1,
@@ -324,10 +340,10 @@ def _check_inputs(
                 f"out must be {list(expected_out)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
         _expect(out.stride(2) == 1, f"out's last dim must be contiguous, got strides {out.stride()}")
     if num_splits is not None:
-        _expect(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
+        _expect(_is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS,
                 f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if max_kv_len is not None:
-        _expect(isinstance(max_kv_len, int) and max_kv_len >= 1, f"max_kv_len must be a positive int, got {max_kv_len!r}")
+        _expect(_is_int(max_kv_len) and max_kv_len >= 1, f"max_kv_len must be a positive int, got {max_kv_len!r}")
     tensors = [q, kv_cache, block_tables, seq_lens, cu_seqlens_q, custom_mask, out]
     devices = {t.device for t in tensors if t is not None}
     _expect(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -382,7 +398,7 @@ def mla_paged_attention(
     undefined results, and page ids past num_pages undefined reads.
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask, out, num_splits,
-                  max_kv_len)
+                  max_kv_len, sm_scale, kv_scale)
     if triton is None:
         raise RuntimeError("mla_paged_attention needs Triton, which is not installed")
     num_tokens, num_heads, _ = q.shape

@@ -127,12 +127,7 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     28.9 -> 28.2; below, in launches of a few microseconds, the discards cost more than the
     write-back: 1 x 1k x 128 heads x q_len 4 11.1 -> 11.6, 8 x 1k x 128 heads 14.5 -> 14.9).
     """
-    for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("max_q_len", max_q_len),
-                        ("num_sms", num_sms)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan_launch: {name} must be a positive int, got {value!r}")
-    if not isinstance(max_kv_len, int) or max_kv_len < 0:
-        raise ValueError(f"plan_launch: max_kv_len must be a non-negative int, got {max_kv_len!r}")
+    _check_sizes("plan_launch", batch_size, num_heads, max_q_len, max_kv_len, num_sms)
 
     def waves(tile: TileShape) -> tuple[KernelConfig, int, int, int, int]:
         """(config, slots, programs per split, shortest chunk, most splits) of a tile."""
@@ -159,12 +154,22 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     return LaunchPlan(tile, config, num_splits, num_splits > 1 and batch_size * max_kv_len >= DISCARD_MIN_TOKENS)
 
 
+def _check_sizes(caller: str, batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int) -> None:
+    """ValueError naming ``caller`` and the argument, for sizes that are not ints in range."""
+    for name, value, least in (("batch_size", batch_size, 1), ("num_heads", num_heads, 1), ("max_q_len", max_q_len, 1),
+                               ("max_kv_len", max_kv_len, 0), ("num_sms", num_sms, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            kind = "positive" if least else "non-negative"
+            raise ValueError(f"{caller}: {name} must be a {kind} int, got {value!r}")
+
+
 def narrow_plan_limit(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int,
                       wide_tiles: bool) -> int:
     """The longest kv length, a multiple of 64 and at least PLAN_BOUND_MIN_KV, whose plan runs a
     narrow Triton tile (a latency-bound launch) where ``max_kv_len``'s runs the wgmma kernel's
     64-row tile; 0 where there is none. Plans are narrow up to some length and 64-row from it on:
     found by bisection."""
+    _check_sizes("narrow_plan_limit", batch_size, num_heads, max_q_len, max_kv_len, num_sms)
 
     def wide(tiles_of_64: int) -> bool:
         plan = plan_launch(batch_size, num_heads, max_q_len, tiles_of_64 * 64, num_sms, wide_tiles)
@@ -191,6 +196,7 @@ def plan_bounds(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     their partials (H100, tables 128k tokens wide against the requests' length: 1 x 4k x 16 heads
     x q_len 4, 128 splits of which 64 hold kv, 13.6 against 10.9 us with 64; under the narrow
     limit's bound, 1 x 1k x 16 heads, 128 splits of which 32 do, 7.6 against 6.5 with 32)."""
+    _check_sizes("plan_bounds", batch_size, num_heads, max_q_len, max_kv_len, num_sms)
 
     def plan(kv_len: int) -> tuple:
         launch = plan_launch(batch_size, num_heads, max_q_len, kv_len, num_sms, wide_tiles)

@@ -256,7 +256,7 @@ def _store_half(acc, l_i, m_i, half, smem, o_ptr, lse_ptr, q_block, h_block, q_s
     valid_o = (q_idx_o < q_len) & (head_o < NUM_HEADS)
     token_o = (q_start + q_idx_o).to(gl.int64)
     offs_d = half * _D_HALF + gl.arange(0, _D_HALF, layout=gl.SliceLayout(0, store_layout))
-    o_row_ptr = o_ptr + token_o * stride_ot + head_o * stride_oh
+    o_row_ptr = o_ptr + token_o * stride_ot + head_o.to(gl.int64) * stride_oh  # the caller's stride: int64
     if DIRECT:
         gl.store(o_row_ptr[:, None] + offs_d[None, :], o, mask=valid_o[:, None])
     else:

@@ -17,6 +17,20 @@ def _patch_index(tensor, scope):
     _patch(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 interpreter._patch_lang_tensor = _patch_index
+
+# Triton 3.6's interpreter multiplies bf16 operands of tl.dot as their raw 16-bit patterns: widen
+# them to fp32 first (the products a tensor core makes of bf16 are exact in fp32).
+import numpy as _np
+import triton.language as _tl
+_create_dot = interpreter.InterpreterBuilder.create_dot
+def _as_fp32(handle):
+    if handle.dtype.scalar != _tl.bfloat16:
+        return handle
+    data = interpreter._convert_float(handle.data, _tl.bfloat16, _tl.float32, None).view(_np.float32)
+    return interpreter.TensorHandle(data, _tl.float32)
+def _create_dot_bf16(self, a, b, d, *rest):
+    return _create_dot(self, _as_fp32(a), _as_fp32(b), d, *rest)
+interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
 """
 
 

@@ -136,6 +136,15 @@ def _valid_args():
         (lambda a: a.update(num_splits=MAX_SPLITS + 1), "num_splits must be"),
         (lambda a: a.update(max_kv_len=0), "max_kv_len must be a positive int"),
         (lambda a: a.update(max_kv_len=2.0), "max_kv_len must be a positive int"),
+        # bools passed as ints (num_splits=True reached the kernel as a 1-bit argument)
+        (lambda a: a.update(num_splits=True), "num_splits must be"),
+        (lambda a: a.update(max_q_len=True), "max_q_len must be a positive int"),
+        (lambda a: a.update(max_kv_len=True), "max_kv_len must be a positive int"),
+        # a tensor scale failed inside Triton; NaN made the output NaN
+        (lambda a: a.update(kv_scale=torch.tensor(1.0)), "kv_scale must be a finite positive float"),
+        (lambda a: a.update(kv_scale=float("nan")), "kv_scale must be a finite positive float"),
+        (lambda a: a.update(sm_scale=float("inf")), "sm_scale must be a finite positive float"),
+        (lambda a: a.update(sm_scale=0.0), "sm_scale must be a finite positive float"),
     ],
 )
 def test_argument_checks(change, message):
@@ -161,16 +170,17 @@ import torch
 
 from tests.test_triton_mla_kernel import check, make_inputs, random_mask
 
-# fp16: the interpreter mishandles bf16 (garbage results where the GPU is right).
-half = dict(kv_dtype=torch.float16, q_dtype=torch.float16)
-gen = torch.Generator().manual_seed(3)
-args, q = make_inputs([300, 0, 9, 1], [2, 1, 3, 0], 16, 4, "cpu", gen=gen, **half)
-check(args, q)
-check(args, q, num_splits=3)
-check(args, q, custom_mask=random_mask(4, q, 3, gen, "cpu"), num_splits=2)
-check(args, q, max_kv_len=16)  # planned for 16 rows: the 300-row request in more, longer chunks
-args, q = make_inputs([40, 7], [4, 4], 8, 1, "cpu", gen=gen, **half)
-check(args, q, custom_mask=random_mask(2, q, 9, gen, "cpu"))
+# bf16 products go through tests/interpreted.py's fix of the interpreter's bf16 tl.dot.
+for dtype in (torch.float16, torch.bfloat16):
+    half = dict(kv_dtype=dtype, q_dtype=dtype)
+    gen = torch.Generator().manual_seed(3)
+    args, q = make_inputs([300, 0, 9, 1], [2, 1, 3, 0], 16, 4, "cpu", gen=gen, **half)
+    check(args, q)
+    check(args, q, num_splits=3)
+    check(args, q, custom_mask=random_mask(4, q, 3, gen, "cpu"), num_splits=2)
+    check(args, q, max_kv_len=16)  # planned for 16 rows: the 300-row request in more, longer chunks
+    args, q = make_inputs([40, 7], [4, 4], 8, 1, "cpu", gen=gen, **half)
+    check(args, q, custom_mask=random_mask(2, q, 9, gen, "cpu"))
 print("ok")
 """
 
@@ -213,6 +223,42 @@ def test_split_merge_under_triton_interpreter():
     a token of no request."""
     pytest.importorskip("triton")
     run_interpreted(_INTERPRETED_MERGE)
+
+
+_INTERPRETED_STRIDES = """
+import torch
+
+from attn.triton_mla_kernel import mla_paged_attention
+from test_triton_mla_kernel import make_inputs
+
+STRIDE = 2 ** 30  # int32, but head 2 of a view with this head stride lies past 2 ** 31 elements
+args, q_len = make_inputs([20], [1], 3, 16, "cpu", q_dtype=torch.float16, kv_dtype=torch.float16)
+expected = mla_paged_attention(**args, max_q_len=q_len, sm_scale=0.07)
+
+
+def head_strided(rows):
+    # rows [1, 3, n] as a view of heads STRIDE elements apart (untouched pages cost no memory)
+    view = torch.empty(2 * STRIDE + rows.shape[2], dtype=rows.dtype).as_strided(rows.shape, (rows.shape[2], STRIDE, 1))
+    view.copy_(rows)
+    return view
+
+
+for num_splits in (1, 2):  # the attention kernel's own store, and the reduce's
+    got = mla_paged_attention(**{**args, "q": head_strided(args["q"])}, max_q_len=q_len, sm_scale=0.07, num_splits=num_splits)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+    out = head_strided(torch.zeros(1, 3, 512, dtype=torch.float16))
+    mla_paged_attention(**args, max_q_len=q_len, sm_scale=0.07, num_splits=num_splits, out=out)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+print("ok")
+"""
+
+
+def test_head_strides_past_int32_offsets_under_triton_interpreter():
+    """q and out as views whose head offsets pass 2**31 elements (e.g. a transposed [H, T, 576]
+    buffer): head x stride was an int32 product that wrapped, and the kernels read and wrote
+    out of bounds."""
+    pytest.importorskip("triton")
+    run_interpreted(_INTERPRETED_STRIDES)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -388,6 +434,30 @@ def test_out_is_written_in_place_and_extra_rows_untouched():
     ref = reference(args["q"], args["kv_cache"], args["block_tables"], args["seq_lens"], args["cu_seqlens_q"],
                     SM_SCALE)
     torch.testing.assert_close(out[:2].float().cpu(), ref[:2], atol=ATOL, rtol=RTOL)
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_head_strides_past_int32_offsets(num_splits):
+    """16 heads x q_len 4 on pages of 64 (the wgmma tile on SM90): q and out as views whose head
+    offsets pass 2**31 elements. A strided q is no TMA row block, so it runs the Triton tile; out
+    is stored by whichever kernel runs."""
+    stride = 2 ** 28  # head 15: 15 * 2**28 elements in; 8 GB of views a call
+    args, q_len = make_inputs([300, 70], [4, 4], 16, 64, "cuda")
+    expected = mla_paged_attention(**args, max_q_len=q_len, sm_scale=SM_SCALE, num_splits=num_splits)
+
+    def head_strided(rows):
+        n = rows.shape[2]
+        view = torch.empty(15 * stride + n, dtype=rows.dtype, device="cuda").as_strided(rows.shape, (n, stride, 1))
+        return view.copy_(rows)
+
+    got = mla_paged_attention(**{**args, "q": head_strided(args["q"])}, max_q_len=q_len, sm_scale=SM_SCALE,
+                              num_splits=num_splits)
+    torch.testing.assert_close(got.float(), expected.float(), atol=ATOL, rtol=RTOL)  # another kernel
+    del got
+    out = head_strided(torch.zeros_like(expected))
+    mla_paged_attention(**args, max_q_len=q_len, sm_scale=SM_SCALE, num_splits=num_splits, out=out)
+    assert torch.equal(out, expected)
 
 
 @gpu

@@ -181,12 +181,17 @@ def test_plan_bounds_are_where_shorter_contexts_plan_another_tile_or_half_the_sp
     assert plan_bounds(8, 128, 4, 131072, 132, wide_tiles=True) == () == plan_bounds(1, 16, 1, 1024, 132, True)
 
 
+@pytest.mark.parametrize("function", [plan_launch, plan_bounds, narrow_plan_limit])
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(num_heads=-1), dict(max_q_len=1.5), dict(max_kv_len=-1),
+                                 dict(max_kv_len=2048.0), dict(batch_size=True),
                                  dict(num_sms=0)])
-def test_plan_launch_rejects_bad_sizes(bad):
-    sizes = dict(batch_size=1, num_heads=16, max_q_len=1, max_kv_len=1024, num_sms=132) | bad
-    with pytest.raises(ValueError, match=next(iter(bad))):
-        plan_launch(**sizes)
+def test_planning_rejects_bad_sizes(function, bad):
+    """Each function names itself and the argument (plan_bounds named a length it had derived
+    from a bad one, or raised AttributeError for a float)."""
+    sizes = dict(batch_size=1, num_heads=16, max_q_len=1, max_kv_len=1024, num_sms=132, wide_tiles=True) | bad
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=f"{function.__name__}: {name} must be .*got {value!r}"):
+        function(**sizes)
 
 
 def test_discards_only_whole_lines_no_other_program_reads():
