@@ -76,8 +76,8 @@ def _attend_tile(
         # Tiles start at multiples of BLOCK_N, so the whole tile lies in one page: one block-table
         # read and rows at a fixed stride from it (rows past kv_len stay inside the page).
         page = tl.load(bt_row_ptr + start // PAGE_SIZE).to(tl.int64)
-        first = kv_ptr + page * stride_kv_page + (start % PAGE_SIZE).to(tl.int64) * stride_kv_row
-        row_ptr = first + tl.arange(0, BLOCK_N).to(tl.int64) * stride_kv_row
+        first = kv_ptr + page * stride_kv_page + (start % PAGE_SIZE) * stride_kv_row
+        row_ptr = first + tl.arange(0, BLOCK_N) * stride_kv_row
     else:
         if MASKED:
             page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=in_range, other=0)
@@ -314,6 +314,9 @@ def _check_inputs(
     _expect(kv_cache.dtype in (q.dtype, torch.float8_e4m3fn),
             f"kv_cache dtype must be q's ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
     _expect(kv_cache.stride(2) == 1, f"kv_cache's last dim must be contiguous, got strides {kv_cache.stride()}")
+    # Row offsets within a page stay int32 products in the kv loop, once per row of every tile.
+    _expect(kv_cache.shape[1] * kv_cache.stride(1) < 2**31,
+            f"kv_cache's row stride {kv_cache.stride(1)} x page size {kv_cache.shape[1]} must stay below 2**31")
     _expect(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
             f"block_tables must be [B, max_pages] int32, got {tuple(block_tables.shape)} {block_tables.dtype}")
     batch_size = block_tables.shape[0]

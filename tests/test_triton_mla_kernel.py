@@ -125,6 +125,9 @@ def _valid_args():
         (lambda a: a.update(q=a["q"].float()), "q must be bfloat16 or float16"),
         (lambda a: a.update(kv_cache=a["kv_cache"].half()), "kv_cache dtype must be q's"),
         (lambda a: a.update(kv_cache=a["kv_cache"][:, :, :512]), "kv_cache must be"),
+        # rows 2**29 elements apart (untouched storage): page offsets past 2**31 in the kv loop
+        (lambda a: a.update(kv_cache=torch.empty(3 * 2**29 + 576, dtype=torch.bfloat16).as_strided(
+            (1, 4, 576), (4 * 2**29, 2**29, 1))), "kv_cache's row stride 536870912 x page size 4"),
         (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must be"),
         (lambda a: a.update(seq_lens=a["seq_lens"][:1]), r"seq_lens must be \[B=2\]"),
         (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q must be"),
@@ -447,9 +450,9 @@ def test_head_strides_past_int32_offsets(num_splits):
     expected = mla_paged_attention(**args, max_q_len=q_len, sm_scale=SM_SCALE, num_splits=num_splits)
 
     def head_strided(rows):
-        n = rows.shape[2]
-        view = torch.empty(15 * stride + n, dtype=rows.dtype, device="cuda").as_strided(rows.shape, (n, stride, 1))
-        return view.copy_(rows)
+        tokens, heads, n = rows.shape
+        storage = torch.empty((heads - 1) * stride + tokens * n, dtype=rows.dtype, device="cuda")
+        return storage.as_strided(rows.shape, (n, stride, 1)).copy_(rows)
 
     got = mla_paged_attention(**{**args, "q": head_strided(args["q"])}, max_q_len=q_len, sm_scale=SM_SCALE,
                               num_splits=num_splits)
