@@ -8,11 +8,14 @@ whatever the draft proposed (for two children c1, c2: P(c2) = (1 - p(c1)) * p(c2
 so the target's distribution is preserved; temperature 0 (one-hot p) reduces to greedy.
 
 Random numbers come from a counter-based hash of (request seed, step counter, draw index): each
-request's stream is reproducible, independent of batch composition, and needs no host state.
+request's stream is reproducible, independent of batch composition, and needs no host state. A
+request without a seed gets a fresh random one at admission (with_seeds).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,12 +32,17 @@ _FP32_MAX = torch.finfo(torch.float32).max
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_p in (0, 1] (1 disables it); top_k 0 disables it; seed picks the
-    random stream (seeds equal modulo 2**62 share one: hash_uniform keeps 62 bits)."""
+    random stream (None: a fresh random one, which the worker records in ``Request.sampling``).
+
+    Seeds equal modulo 2**62 share a stream (hash_uniform keeps 62 bits). hash_uniform combines
+    seed, step and draw linearly before it scrambles them, so seeds some 6e10 or more apart can
+    meet another seed's stream a few steps or draws later; random 62-bit seeds practically never do.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: Optional[int] = None
 
     def __post_init__(self) -> None:
         # The worker samples in fp32: a larger temperature would become inf there (every logit 0,
@@ -45,8 +53,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if as_int(self.top_k) is None or not 0 <= self.top_k < 2**63:
             raise ValueError(f"top_k must be an int64 >= 0 (0 disables it), got {self.top_k!r}")
-        if as_int(self.seed) is None or not -2**63 <= self.seed < 2**63:
-            raise ValueError(f"seed must be an int64, got {self.seed!r}")
+        if self.seed is not None and (as_int(self.seed) is None or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int64 or None, got {self.seed!r}")
+
+
+def with_seeds(params: list[SamplingParams]) -> list[SamplingParams]:
+    """Each SamplingParams without a seed with a fresh random one of its own: with one default
+    seed, unseeded requests of the same prompt sampled the same tokens (and others drew the same
+    uniforms)."""
+    return [p if p.seed is not None else dataclasses.replace(p, seed=secrets.randbits(62)) for p in params]
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

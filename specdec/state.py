@@ -72,7 +72,8 @@ class DecodeState:
     root ``[B]`` int64; seq_lens ``[B]`` int64 (N); hidden ``[B, D]`` the draft's last hidden state;
     cand_probs / cand_ids ``[B, topk]``: the first draft step's candidates;
     temperature / top_p ``[B]`` fp32, top_k / seed ``[B]`` int64: sampling parameters;
-    counter ``[B]`` int64: spec steps taken, the position in the request's random stream;
+    counter ``[B]`` int64: the position in the request's random stream, spec steps taken + 1 (the
+        prefill's draw is position 0);
     limit ``[B]`` int64: the N at which max_new_tokens run out (len(prompt) + max_new_tokens - 1);
     eos ``[B]`` int64: the eos token id, -1 for none.
     """

@@ -26,7 +26,7 @@ from specdec.config import ConfigError, SpecConfig, require_int
 from specdec.draft import DraftModel
 from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
-from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample
+from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample, with_seeds
 from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats
 from specdec.tree import VerifyTree, start_tree, topk_probs
 from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
@@ -108,11 +108,12 @@ class EagleWorker:
         """Prefill new requests (target, then draft) and add them to the running batch.
 
         prompts: token ids (ints) per request; max_new_tokens >= 1 (the prefill's token is the
-        first); eos_token_id: one id or None. sampling: one SamplingParams per prompt (default
-        greedy); temperature > 0 needs ``SpecConfig.enable_sampling``. Validates everything first: a
-        bad request raises and changes nothing; a failure while prefilling (out of memory) releases
-        the new requests' pages and rows and leaves the running batch as it was. Not while a step
-        is in flight (between launch_step and finish_step).
+        first); eos_token_id: one id or None. sampling: one SamplingParams per prompt (default greedy;
+        no seed: a fresh one each, in Request.sampling); temperature > 0 needs
+        ``SpecConfig.enable_sampling``. Validates everything first: a bad request raises and changes
+        nothing; a failure while prefilling (out of memory) releases the new requests' pages and rows
+        and leaves the running batch as it was. Not while a step is in flight (between launch_step
+        and finish_step).
         """
         self.check_idle("add_requests")
         if len(prompts) == 0:  # (a numpy array of prompts has no truth value)
@@ -131,6 +132,7 @@ class EagleWorker:
         for i, params in enumerate(sampling):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(params).__name__}")
+        sampling = with_seeds(sampling)
         if not cfg.enable_sampling and any(p.temperature > 0 for p in sampling):
             raise ValueError("temperature > 0 needs SpecConfig(enable_sampling=True) (rejection-sampling verification)")
         if len(self.requests) + len(prompts) > cfg.max_batch_size:

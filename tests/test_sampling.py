@@ -194,3 +194,26 @@ def test_each_step_draws_new_uniforms():
     assert abs(same - 1 / vocab) < 0.06, same  # ~700 pairs: sd ~0.014
     counts = torch.bincount(tokens.flatten(), minlength=vocab).double()
     assert (counts / counts.sum() - 1 / vocab).abs().max() < 0.04
+
+
+def test_unseeded_requests_sample_independently_and_record_their_seed():
+    """Requests without a seed each get a fresh one (with one default seed, every unseeded request
+    of a prompt sampled the same tokens); the seed lands in Request.sampling, and passing it back
+    replays the request."""
+    vocab, n, max_new = 6, 16, 8
+    target, _ = make_models(vocab_size=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.zero_()  # uniform: two of 16 outputs of 8 tokens agree with p < 1e-4
+    cfg = SpecConfig(num_steps=2, topk=1, draft_mode="standalone", enable_sampling=True, max_batch_size=n,
+                     max_context_len=64)
+    worker = EagleWorker(target, StandaloneDraft(target), cfg)
+    reqs = worker.add_requests([[1, 2, 3]] * n, max_new, sampling=[SamplingParams(temperature=1.0)] * n)
+    while worker.requests:
+        worker.step()
+    assert len({tuple(r.output) for r in reqs}) == n
+    seeds = [r.sampling.seed for r in reqs]
+    assert len(set(seeds)) == n and all(0 <= seed < 2**62 for seed in seeds)
+    again = worker.add_requests([[1, 2, 3]] * 2, max_new, sampling=[reqs[0].sampling, reqs[5].sampling])
+    while worker.requests:
+        worker.step()
+    assert [r.output for r in again] == [reqs[0].output, reqs[5].output]
