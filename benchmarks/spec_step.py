@@ -6,8 +6,10 @@ Per backend and batch size: step time eager and with graphs, host time per step 
 inputs, host plans, the replay; finish: the bookkeeping after the step's one copy to the host;
 the median step of the fastest of HOST_ROUNDS rounds, that round's mean of launch + finish, and
 its median thread CPU time, which leaves out time spent waiting for a core),
-host syncs per step, mean accept length, tokens/s with spec decoding (graphs where supported) and
-target-only (graphed where the spec step is); then graph capture time and memory. Uses the identity draft (the target as its own
+host syncs in launch_step (torch's sync debug mode: implicit copies to the host and stream
+syncs; finish_step then waits on the step's one event by design), mean accept length, tokens/s
+with spec decoding (graphs where supported) and target-only (graphed where the spec step is); then
+graph capture time and memory. Uses the identity draft (the target as its own
 standalone draft) so nearly every step accepts num_steps tokens (2.90-3.00 of 3 in the committed
 run) and the numbers show the machinery's cost, not a draft model's quality. Prints a table, writes CSV and a PNG.
 """
@@ -50,7 +52,8 @@ def max_new_tokens(steps: int) -> int:
 
 
 def count_syncs(fn) -> int:
-    """Host syncs ``fn`` performs, as torch's sync debug mode reports them."""
+    """Host syncs ``fn`` performs, as torch's sync debug mode reports them: implicit copies to the
+    host and stream syncs (not CUDA event waits, nor syncs inside other libraries' C++)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -95,7 +98,9 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
     # replay 14 to 58 us): the round with the lowest median step is the host work, not the drift.
     # The thread's CPU time (host_cpu_us) leaves out the time the thread waited for a core.
     launch, finish, cpu = min(rounds, key=lambda r: statistics.median(a + b for a, b in zip(*r[:2])))
-    syncs = count_syncs(worker.step)
+    launched = []
+    syncs = count_syncs(lambda: launched.append(worker.launch_step()))  # the step's device work, enqueued
+    worker.finish_step(launched[0])
     replay = [float("nan")]
     if worker.graph_runner is not None:  # the floor of launch: the bucket's graph launch alone (no kv bound)
         replay, bucket = [], worker.graph_runner.buckets[0]
@@ -112,7 +117,7 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
     return {"step_ms": wall / steps * 1e3, "replay_us": statistics.median(replay) * 1e6,
             "launch_us": statistics.median(launch) * 1e6, "finish_us": statistics.median(finish) * 1e6,
             "host_us": statistics.median(host) * 1e6, "host_mean_us": statistics.mean(host) * 1e6,
-            "host_cpu_us": statistics.median(cpu) * 1e6, "syncs": syncs,
+            "host_cpu_us": statistics.median(cpu) * 1e6, "launch_syncs": syncs,
             "accept": sum(accept) / len(accept), "tok_s": emitted / wall}
 
 
@@ -186,7 +191,7 @@ def run_one(target, backend: str, bs: int, cfg: SpecConfig, prompts: list[list[i
         "backend": backend, "batch": bs, "eager_ms": eager["step_ms"], "graph_ms": graph["step_ms"] if graph else float("nan"),
         "speedup": eager["step_ms"] / graph["step_ms"] if graph else float("nan"),
         **{k: best[k] for k in ("replay_us", "launch_us", "finish_us", "host_us", "host_mean_us", "host_cpu_us")},
-        "syncs": best["syncs"], "accept": best["accept"], "spec_tok_s": best["tok_s"],
+        "launch_syncs": best["launch_syncs"], "accept": best["accept"], "spec_tok_s": best["tok_s"],
         "target_tok_s": target_only_tok_s(target, prompts, backend, graph is not None), "capture_s": capture_s, "capture_MiB": capture_mb,
     }
 
