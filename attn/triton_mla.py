@@ -33,7 +33,7 @@ class TritonMLABackend(RaggedKernelBackend):
         """The kv lengths up to which the kernel plans another launch than for the next longer
         one (triton_mla_kernel.kv_plan_bounds): the latency-bound narrow Triton tile where the
         longest context's plan runs the wgmma tile, and fewer splits for shorter contexts (H100,
-        tables 128k tokens wide against the requests' length: 1 x 1k x 16 heads 10.0 against 6.4
+        tables 128k tokens wide against the requests' length: 1 x 1k x 16 heads 10.5 against 7.2
         us; benchmarks/results/mla_kernels_table131072.log)."""
         from attn.triton_mla_kernel import kv_plan_bounds
 

@@ -384,9 +384,9 @@ def mla_paged_attention(
         it: a request past it is still attended exactly, by the plan for shorter ones. Tables as
         wide as an engine's longest context plan every launch for that context, which short
         requests pay for (H100, benchmarks/results/mla_kernels_table131072.log against
-        mla_kernels.log, tables of 128k rows against the requests' length: 1 x 1k x 16 heads 10.0
-        against 6.4 us, 1 x 4k x 16 heads 11.7 against 8.4, 1 x 1k x 16 heads x q_len 4 10.3
-        against 7.2, 8 x 1k x 16 heads 11.9 against 10.1); under CUDA graphs, a caller that
+        mla_kernels.log, tables of 128k rows against the requests' length: 1 x 1k x 16 heads 10.5
+        against 7.2 us, 1 x 4k x 16 heads 11.6 against 8.5, 1 x 1k x 16 heads x q_len 4 10.2
+        against 7.3, 8 x 1k x 16 heads 12.5 against 11.4); under CUDA graphs, a caller that
         captures a graph per context bucket passes the bucket's bound (kv_plan_bounds: where the
         plan changes). Two launches a call
         instead, a narrow-tile one for the short requests and the long plan's for the rest, each
