@@ -402,6 +402,7 @@ def mla_paged_attention(
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask, out, num_splits,
                   max_kv_len, sm_scale, kv_scale)
+    sm_scale, kv_scale = float(sm_scale), float(kv_scale)  # (Triton refuses numpy float32 arguments)
     if triton is None:
         raise RuntimeError("mla_paged_attention needs Triton, which is not installed")
     num_tokens, num_heads, _ = q.shape

@@ -7,7 +7,7 @@ H100's L2), so that small cases do not run from L2. Roofline = max(KV bytes / me
 bandwidth, FLOPs / 790 TFLOP/s) with KV bytes = tokens * 576 * 2 (--kv-dtype fp8: * 1) and
 FLOPs = tokens * heads * q_len * 1088 * 2. err / fa3_err: each kernel's largest error on the first
 request's output after the graph replays, against an fp32 attention, relative to the largest
-output value; check says BAD where ours is off by more than twice FA3's error plus 2**-8.
+output value; check says BAD past check_bound (2**-7, or twice FA3's error up to 2**-6).
 targets: the issue's targets that apply to the row and whether it meets them (2x FA3 where FA3 is
 below 0.4 of the roofline, else 0.9x; 0.8 of the roofline where memory-bound and batch x seq_len
 >= 128k tokens); a count of each follows the table.
@@ -265,9 +265,12 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     if with_fa3:
         try:
             fa3 = fa3_calls(case)
+            ours_us, *fa3_us = graph_times_us(ours_calls, fa3[0])
         except Exception as error:  # keep the Triton numbers; say why FA3 has none
             print(f"FA3 failed: {type(error).__name__}: {error}")
-    ours_us, *fa3_us = graph_times_us(ours_calls, *([fa3[0]] if fa3 else []))
+            fa3 = None
+    if fa3 is None:
+        ours_us = graph_time_us(ours_calls)
     # Both graphs end with the last rotation: check the outputs their replays left.
     last = case.reference(case.rotations - 1)
     scale = last.abs().max().item()
@@ -281,11 +284,18 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     if fa3:
         row.update(fa3_us=fa3_us[0], fa3_frac=roof_us / fa3_us[0], speedup_vs_fa3=fa3_us[0] / ours_us,
                    fa3_err=(fa3[1][:case.q_len].float() - last).abs().max().item() / scale)
-    row["check"] = "ok" if err <= (0 if math.isnan(row["fa3_err"]) else 2 * row["fa3_err"]) + 2**-8 else "BAD"
+    row["check"] = "ok" if err <= check_bound(row["fa3_err"]) else "BAD"
     row["targets"] = targets(row, case.batch * case.seq_len, memory_bound)
     # Last: its half second at full load must not heat the board for either timing.
     row["sm_mhz"], row["watts"] = sustained_clock(ours_calls)
     return row
+
+
+def check_bound(fa3_err: float) -> float:
+    """The largest relative error ``check`` takes as rounding: 2**-7 (bf16 output, P and 16-bit
+    partials each round at 2**-9), or twice FA3's own error on the row where that is more, up to
+    2**-6 (a FA3 as far off does not excuse ours)."""
+    return 2**-7 if math.isnan(fa3_err) else max(2**-7, min(2 * fa3_err, 2**-6))
 
 
 def targets(row: dict, tokens: int, memory_bound: bool) -> str:

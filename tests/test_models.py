@@ -294,6 +294,14 @@ def test_bad_config_names_the_field(field, value):
         DeepseekV3Config(**{**TINY, field: value})
 
 
+def test_yarn_truncate_null_is_taken_as_false_as_transformers_does():
+    truncated = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY, q_lora_rank=None, rope_scaling={**YARN, "truncate": True}))
+    null = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY, q_lora_rank=None, rope_scaling={**YARN, "truncate": None}))
+    false = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY, q_lora_rank=None, rope_scaling={**YARN, "truncate": False}))
+    assert torch.equal(null.rotary.inv_freq_bits, false.rotary.inv_freq_bits)
+    assert not torch.equal(null.rotary.inv_freq_bits, truncated.rotary.inv_freq_bits)
+
+
 def test_config_reads_public_and_transformers_forms():
     public = DeepseekV3Config.from_dict({**TINY, "rope_theta": 500.0, "rope_scaling": {"type": "yarn", **YARN}, "seq_aux": True})
     v5 = DeepseekV3Config.from_dict({**TINY, "rope_parameters": {"rope_theta": 500.0, **YARN}})

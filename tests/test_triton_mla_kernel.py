@@ -169,9 +169,11 @@ def test_reference_matches_dense_softmax():
 
 
 _INTERPRETED = """
+import numpy as np
 import torch
 
-from tests.test_triton_mla_kernel import check, make_inputs, random_mask
+from attn.triton_mla_kernel import mla_paged_attention
+from tests.test_triton_mla_kernel import SM_SCALE, check, make_inputs, random_mask
 
 # bf16 products go through tests/interpreted.py's fix of the interpreter's bf16 tl.dot.
 for dtype in (torch.float16, torch.bfloat16):
@@ -183,7 +185,11 @@ for dtype in (torch.float16, torch.bfloat16):
     check(args, q, custom_mask=random_mask(4, q, 3, gen, "cpu"), num_splits=2)
     check(args, q, max_kv_len=16)  # planned for 16 rows: the 300-row request in more, longer chunks
     args, q = make_inputs([40, 7], [4, 4], 8, 1, "cpu", gen=gen, **half)
-    check(args, q, custom_mask=random_mask(2, q, 9, gen, "cpu"))
+    mask = random_mask(2, q, 9, gen, "cpu")
+    expected = check(args, q, custom_mask=mask, kv_scale=0.5)
+# numpy scales (float32 reached Triton as a type it refuses)
+got = mla_paged_attention(**args, max_q_len=q, sm_scale=np.float32(SM_SCALE), kv_scale=np.float32(0.5), custom_mask=mask)
+torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
 print("ok")
 """
 

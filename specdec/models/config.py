@@ -157,14 +157,16 @@ class DeepseekV3Config:
         _check(_is_real(factor) and factor > 0, "rope_scaling", "needs a positive factor", rs)
         _check(isinstance(original, int) and not isinstance(original, bool) and original > 0, "rope_scaling",
                "needs a positive int original_max_position_embeddings", rs)
-        # Optional. A null or 0 beta or mscale takes transformers' default (beta_fast 32, beta_slow 1,
-        # no mscale); an attention_factor multiplies cos and sin as given. A negative beta failed in
-        # math.log when the model was built, a string in arithmetic.
+        # Optional. A null or 0 beta takes transformers' default (beta_fast 32, beta_slow 1); a null or
+        # 0 mscale the plain YaRN factor, and mscale_all_dim no softmax scaling; an attention_factor
+        # multiplies cos and sin as given. A negative beta failed in math.log when the model was
+        # built, a string in arithmetic.
         for key in _YARN_OPTIONAL:
             value, positive = rs.get(key), key == "attention_factor"
             _check(value is None or (_is_real(value) and (value > 0 if positive else value >= 0)), "rope_scaling",
                    f"needs {key} {'a positive' if positive else 'a non-negative'} number or null", rs)
-        _check(isinstance(rs.get("truncate", True), bool), "rope_scaling", "needs truncate a bool", rs)
+        _check(rs.get("truncate") is None or isinstance(rs["truncate"], bool), "rope_scaling",
+               "needs truncate a bool or null", rs)
 
     # ---------------------------------------------------------------------- I/O
     @classmethod
