@@ -67,7 +67,8 @@ class PagedMLABackend:
     prefill_fallback: Optional[str] = None  # backend serving prefill/draft-extend where this one cannot
     max_decode_q_len: Optional[int] = None  # query tokens per request the decode kernel takes (None: any)
     max_prefill_tokens: Optional[int] = None  # query tokens a prefill (EXTEND) pass may hold (None: any)
-    required_sm: Optional[tuple[int, ...]] = None  # compute-capability majors the kernel runs on
+    # Compute capabilities the kernel runs on: majors (any minor) or (major, minor) pairs; None: any
+    required_sm: Optional[tuple[int | tuple[int, int], ...]] = None
     page_sizes: Optional[tuple[int, ...]] = None  # None: any page size
     kv_dtypes: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
     table_tokens_multiple = 1  # block tables (max_context_len tokens wide) must span a multiple of this

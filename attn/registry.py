@@ -138,15 +138,19 @@ def check_query_lens(choice: BackendChoice, num_draft_tokens: int, num_steps: in
 def check_device(choice: BackendChoice, device: torch.device) -> None:
     """Refuse kernels the device cannot run, before any kernel library is touched."""
     device = torch.device(device)
-    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+    capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
     for role, cls in choice.classes().items():
-        if cls.required_sm is None or major in cls.required_sm:
+        if _runs_on(cls, capability):
             continue
-        runnable = [n for n in backend_names() if _runs_on(get_backend_class(n), major)]
-        here = f"SM{major}0 GPU {torch.cuda.get_device_name(device)}" if major is not None else f"device {device}"
-        arch = "/".join(f"SM{m}x" for m in cls.required_sm)
+        runnable = [n for n in backend_names() if _runs_on(get_backend_class(n), capability)]
+        here = (f"SM{capability[0]}{capability[1]} GPU {torch.cuda.get_device_name(device)}" if capability
+                else f"device {device}")
+        arch = "/".join(f"SM{m}x" if isinstance(m, int) else f"SM{m[0]}{m[1]}" for m in cls.required_sm)
         raise ValueError(f"{cls.name} ({role}) needs a {arch} GPU but runs on the {here}; backends that run here: {runnable}")
 
 
-def _runs_on(cls: type[PagedMLABackend], major: Optional[int]) -> bool:
-    return cls.required_sm is None or major in cls.required_sm
+def _runs_on(cls: type[PagedMLABackend], capability: Optional[tuple[int, int]]) -> bool:
+    """required_sm entries: a major (every minor of it) or a (major, minor) pair."""
+    if cls.required_sm is None:
+        return True
+    return capability is not None and (capability[0] in cls.required_sm or capability in cls.required_sm)

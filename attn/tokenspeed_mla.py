@@ -27,7 +27,7 @@ def tokenspeed_workspace_bytes(num_sms: int, num_heads: int) -> int:
 class TokenspeedMLABackend(PagedMLABackend):
     name = "tokenspeed_mla"
     kernel_family = "tokenspeed"
-    required_sm = (10,)
+    required_sm = ((10, 0), (10, 3), (10, 7))  # tokenspeed_mla's get_mla_decode_arch takes these only
     page_sizes = (32, 64)
     kv_dtypes = ("fp8_e4m3",)
     max_decode_q_len = MAX_Q_LEN

@@ -66,9 +66,24 @@ def test_trees_need_tree_mask_backends():
 @pytest.mark.parametrize("name", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
 def test_blackwell_refused_off_sm100_before_any_library_import(name):
     before = set(sys.modules)
-    with pytest.raises(ValueError, match=f"{name} .* needs a SM10x GPU .* backends that run here: \\['torch_ref'\\]"):
+    with pytest.raises(ValueError, match=f"{name} .* needs a SM10\\S* GPU .* backends that run here: \\['torch_ref'\\]"):
         check_device(resolve_backends(name), torch.device("cpu"))
     assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("flashinfer", "tokenspeed_mla", "cutlass")}
+
+
+def test_required_sm_takes_majors_and_major_minor_pairs(monkeypatch):
+    """tokenspeed-mla runs on SM 10.0, 10.3 and 10.7 only; trtllm-gen on every 10.x."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    for capability, refused in (((10, 0), False), ((10, 3), False), ((10, 1), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        if refused:
+            with pytest.raises(ValueError, match=f"tokenspeed_mla .* needs a SM100/SM103/SM107 GPU but runs on the "
+                                                 f"SM{capability[0]}{capability[1]} GPU a test GPU"):
+                check_device(resolve_backends("tokenspeed_mla"), torch.device("cuda"))
+        else:
+            check_device(resolve_backends("tokenspeed_mla"), torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 1))
+    check_device(resolve_backends("trtllm_mla"), torch.device("cuda"))
 
 
 def test_config_errors_name_the_setting():
