@@ -1,7 +1,8 @@
-"""What the spec step's CUDA graphs cost at start-up: graphs, capture seconds and graph memory per
-context length, with the kv-bound graphs (GraphRunner's default) and without (GPU). Graph memory:
-what capturing adds to torch.cuda.memory_allocated; reserved: to memory_reserved once the cache
-is emptied (the segments the graphs' pool holds, and cuBLAS's workspace).
+"""What the spec step's CUDA graphs cost at start-up: graphs, capture seconds and memory per
+context length, with the kv-bound graphs (GraphRunner's default) and without (GPU). alloc_MiB:
+what capturing adds to torch.cuda.memory_allocated, the graphs' own tensors and cuBLAS's
+workspace (32 MiB on SM90, of which the graphs hold about 2); reserved: to memory_reserved once
+the cache is emptied (the segments the graphs' pool holds, and that workspace).
 
     python -m benchmarks.graph_capture [--contexts 4096,32768] [--backend triton_mla]
                                        [--out benchmarks/results/graph_capture.png]
@@ -51,7 +52,7 @@ def capture(backend: str, context: int, kv_bounds: bool) -> dict:
     bounds = {bs: b[:-1] for bs, b in runner.kv_bounds.items() if len(b) > 1}
     return {"backend": backend, "context": context, "kv_bounds": kv_bounds,
             "graphs": len(GRAPH_KINDS) * len(runner.captured), "capture_s": round(runner.capture_seconds, 2),
-            "graph_MiB": round((torch.cuda.memory_allocated() - before) / 2**20),
+            "alloc_MiB": round((torch.cuda.memory_allocated() - before) / 2**20),
             "reserved_MiB": round((torch.cuda.memory_reserved() - before_reserved) / 2**20),
             "bounds": " ".join(f"{bs}:{'/'.join(map(str, b))}" for bs, b in bounds.items()) or "-"}
 
@@ -75,10 +76,10 @@ def _report(rows: list[dict], out: str) -> None:
     contexts = sorted({r["context"] for r in rows})
     for offset, kv_bounds in ((-0.2, False), (0.2, True)):
         rs = {r["context"]: r for r in rows if r["kv_bounds"] == kv_bounds}
-        for ax, key in zip(axes, ("graphs", "capture_s", "graph_MiB")):
+        for ax, key in zip(axes, ("graphs", "capture_s", "alloc_MiB")):
             ax.bar([i + offset for i in range(len(contexts))], [rs[c][key] for c in contexts], width=0.4,
                    label="kv-bound graphs" if kv_bounds else "longest context only")
-    for ax, title in zip(axes, ("graphs", "capture (s)", "graph memory (MiB)")):
+    for ax, title in zip(axes, ("graphs", "capture (s)", "allocated by capture (MiB)")):
         ax.set_xticks(range(len(contexts)), [f"{c // 1024}k" for c in contexts])
         ax.set_xlabel("max_context_len")
         ax.set_title(title)
