@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.baseline import GreedyDecoder, sequence_logits
-from specdec.config import SpecConfig
+from attn.base import KV_DTYPES
+from specdec.config import ConfigError, SpecConfig
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
 from specdec.sampling import SamplingParams
@@ -76,6 +78,7 @@ class Measurement:
     outputs: list[list[int]]
     baseline: list[list[int]]
     accept: list[int]
+    emitted: int  # tokens the spec steps emitted (a request's last step emits only up to max_new_tokens)
     base_tok_s: float
     spec_tok_s: float
 
@@ -85,15 +88,18 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
     """Decode prompts target-only (greedy) and with spec decoding, each after a warm-up and then
     ``args.repeats`` times (tokens/s of the fastest run); both with CUDA graphs when asked (the
     baseline captures one decode step)."""
-    # Whole 128-token blocks: every backend's table width (cutedsl_mla's needs them).
-    context = 128 * ((max(map(len, prompts)) + args.max_new_tokens + 4 * args.num_steps * max(args.topk, 2) + 127) // 128)
     cfg = SpecConfig(
         num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, attention_backend=backend,
-        page_size=64 if device.type == "cuda" else 16, max_batch_size=len(prompts), max_context_len=context,
-        enable_sampling=args.temperature > 0,
+        kv_dtype=args.kv_dtype, page_size=64 if device.type == "cuda" else 16, max_batch_size=len(prompts),
+        max_context_len=1 << 20, enable_sampling=args.temperature > 0,
     )
+    # The longest prompt, its new tokens and the spec step's headroom, in whole 128-token blocks:
+    # every backend's table width (cutedsl_mla's needs them).
+    context = 128 * ((max(map(len, prompts)) + args.max_new_tokens + cfg.spec_headroom + 127) // 128)
+    cfg = dataclasses.replace(cfg, max_context_len=context)
     sampling = [SamplingParams(temperature=args.temperature, seed=i) for i in range(len(prompts))]
-    graphs = {"backend": backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph}
+    graphs = {"backend": backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph,
+              "kv_dtype": KV_DTYPES.get(args.kv_dtype)}
 
     def target_only() -> tuple[list[list[int]], float]:
         """Prefill, the first (eager) and second (capturing) decode steps untimed, then the rest:
@@ -108,17 +114,20 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
         _sync(device)
         return decoder.outputs(), time.perf_counter() - start
 
-    def spec(max_new: int) -> tuple[list, list[int], float]:
+    def spec(max_new: int) -> tuple[list, list[int], int, float]:
         """Prefill (not timed), then spec steps until every request is done: requests, accept
-        lengths and seconds."""
+        lengths, tokens emitted and seconds."""
         reqs = worker.add_requests(prompts, max_new, sampling=sampling)  # prefill: the first token
         _sync(device)
         start = time.perf_counter()
         accept: list[int] = []
+        emitted = 0
         while worker.requests:
-            accept += worker.step().accept_lens
+            stats = worker.step()
+            accept += stats.accept_lens
+            emitted += stats.num_emitted
         _sync(device)
-        return reqs, accept, time.perf_counter() - start
+        return reqs, accept, emitted, time.perf_counter() - start
 
     with torch.inference_mode():
         worker = EagleWorker(target, draft, cfg)
@@ -133,11 +142,11 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
         for _ in range(args.repeats):
             baseline, seconds = target_only()
             base_s = min(base_s, seconds)
-            reqs, accept, seconds = spec(args.max_new_tokens)
+            reqs, accept, emitted, seconds = spec(args.max_new_tokens)
             spec_s = min(spec_s, seconds)
         base_tok_s = len(prompts) * (args.max_new_tokens - 3) / base_s
         spec_tok_s = sum(len(r.output) - 1 for r in reqs) / spec_s
-    return Measurement([r.output for r in reqs], baseline, accept, base_tok_s, spec_tok_s), cfg
+    return Measurement([r.output for r in reqs], baseline, accept, emitted, base_tok_s, spec_tok_s), cfg
 
 
 def divergences(target: DeepseekV3ForCausalLM, prompts: list[list[int]], run: Measurement) -> list[str]:
@@ -195,7 +204,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=160, help="prompt bytes per file, at most (cut at a newline)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="at least 4: target-only timing skips three")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: rejection-sampling verification")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: rejection-sampling verification "
+                    "(the speedup is then against greedy target-only decoding)")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", *KV_DTYPES],
+                    help="KV cache dtype (auto: the model's; tokenspeed_mla needs fp8_e4m3)")
     ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs each way; the fastest counts")
     ap.add_argument("--plot", metavar="PATH", help="also time batch sizes 1, 2, 4, .. up to --batch-size; write a PNG")
@@ -208,6 +220,8 @@ def main() -> None:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.cuda_graph and not args.device.startswith("cuda"):
         ap.error("--cuda-graph needs --device cuda")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch has no CUDA device")
     if args.plot:
         try:
             import matplotlib  # noqa: F401  (checked now, not after the sweep)
@@ -221,16 +235,23 @@ def main() -> None:
     vocab = target.config.vocab_size
     named = stdlib_prompts(args.batch_size, args.prompt_len)
     prompts = [p for _, p in named]
-    run, cfg = measure(target, draft, prompts, args, device, backend)
+    try:
+        run, cfg = measure(target, draft, prompts, args, device, backend)
+    except ConfigError as err:  # settings the worker refuses (it names the one to change)
+        ap.error(str(err))
 
     bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
     for (name, prompt), out in zip(named, run.outputs):
-        print(f"----- {name} (continuation{' in bold' if bold else ' after the prompt'})\n{show(prompt, vocab)}{bold}{show(out, vocab)}{plain}")
+        if bold:
+            print(f"----- {name} (continuation in bold)\n{show(prompt, vocab)}{bold}{show(out, vocab)}{plain}")
+        else:
+            print(f"----- {name}\n{show(prompt, vocab)}\n----- continuation\n{show(out, vocab)}")
     print("-----")
     mean_accept = sum(run.accept) / max(len(run.accept), 1)
     print(f"backend {backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, num_draft_tokens {cfg.num_draft_tokens}, "
           f"temperature {args.temperature}, batch {len(prompts)}, device {device}{', CUDA graphs' if args.cuda_graph else ''}")
-    print(f"mean accept length: {mean_accept:.2f} drafted tokens/step ({mean_accept + 1:.2f} tokens/step emitted)")
+    print(f"mean accept length: {mean_accept:.2f} drafted tokens/step "
+          f"({run.emitted / max(len(run.accept), 1):.2f} tokens/step emitted)")
     print(f"decode tokens/s: target-only {run.base_tok_s:.1f}, spec {run.spec_tok_s:.1f}, "
           f"speedup {run.spec_tok_s / run.base_tok_s:.2f}x")
     if args.temperature == 0:

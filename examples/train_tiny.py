@@ -1,7 +1,7 @@
 """Train a tiny byte-level DeepSeek-V3-architecture model and its MTP (EAGLE) draft layer.
 
     python examples/train_tiny.py                          # one H100: about 3.5 minutes
-    python examples/train_tiny.py --target-steps 20 --mtp-steps 10 --batch-size 4 --out /tmp/tiny  # smoke run
+    python examples/train_tiny.py --target-steps 20 --mtp-steps 10 --batch-size 4 --target-seconds 30 --mtp-seconds 15 --out /tmp/tiny  # smoke run
 
 Data: the standard library's own ``*.py`` files as bytes (vocabulary 256); one file in 20 is held
 out for evaluation by a hash of its path below the stdlib root, the same rule on every Python.
