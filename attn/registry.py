@@ -122,13 +122,18 @@ def check_context_len(choice: BackendChoice, max_context_len: int) -> None:
                              f"raise it to {-(-max_context_len // step) * step}")
 
 
+def decode_query_lens(num_draft_tokens: int, num_steps: int, topk: int) -> dict[str, int]:
+    """Query tokens per request of each role's decode passes: verify (num_draft_tokens),
+    draft-extend (num_steps + 1) and the draft's steps (topk)."""
+    return {"target": num_draft_tokens, "draft_extend": num_steps + 1, "draft": topk}
+
+
 def check_query_lens(choice: BackendChoice, num_draft_tokens: int, num_steps: int, topk: int) -> None:
-    """Verify (num_draft_tokens), draft-extend (num_steps + 1) and draft (topk) query tokens per
-    request must fit the decode kernel of the backend serving each."""
+    """decode_query_lens must fit the decode kernel of the backend serving each role."""
     # With topk 1 the verify chain is num_steps + 1 tokens: num_steps is the setting to lower.
-    verify_setting = "num_steps" if topk == 1 else "num_draft_tokens"
-    for role, q_len, setting in (("target", num_draft_tokens, verify_setting),
-                                 ("draft_extend", num_steps + 1, "num_steps"), ("draft", topk, "topk")):
+    settings = {"target": "num_steps" if topk == 1 else "num_draft_tokens", "draft_extend": "num_steps", "draft": "topk"}
+    for role, q_len in decode_query_lens(num_draft_tokens, num_steps, topk).items():
+        setting = settings[role]
         cls = get_backend_class(getattr(choice, role))
         if cls.max_decode_q_len is not None and q_len > cls.max_decode_q_len:
             raise ValueError(f"{cls.name} ({role}) takes at most {cls.max_decode_q_len} query tokens per request, "

@@ -30,6 +30,7 @@ from attn.triton_mla_plan import (
     LaunchPlan,
     TileShape,
     discard_line_values,
+    is_int,
     launch_config,
     min_split_len,
     narrow_partials,
@@ -286,11 +287,6 @@ def _expect(ok: bool, message: str) -> None:
         raise ValueError(f"mla_paged_attention: {message}")
 
 
-def _is_int(value: object) -> bool:
-    """A Python int, not a bool (True went to the kernel as a 1-bit argument, or as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_inputs(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -327,7 +323,7 @@ def _check_inputs(
     _expect(cu_seqlens_q.shape == (batch_size + 1,) and cu_seqlens_q.dtype == torch.int32,
             f"cu_seqlens_q must be [B+1={batch_size + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
     _expect(seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous(), "seq_lens and cu_seqlens_q must be contiguous")
-    _expect(_is_int(max_q_len) and max_q_len >= 1, f"max_q_len must be a positive int, got {max_q_len!r}")
+    _expect(is_int(max_q_len) and max_q_len >= 1, f"max_q_len must be a positive int, got {max_q_len!r}")
     for name, scale in (("sm_scale", sm_scale), ("kv_scale", kv_scale)):
         # A tensor failed inside Triton; NaN or inf made every output non-finite.
         _expect(isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
@@ -343,10 +339,10 @@ def _check_inputs(
                 f"out must be {list(expected_out)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
         _expect(out.stride(2) == 1, f"out's last dim must be contiguous, got strides {out.stride()}")
     if num_splits is not None:
-        _expect(_is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS,
+        _expect(is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS,
                 f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if max_kv_len is not None:
-        _expect(_is_int(max_kv_len) and max_kv_len >= 1, f"max_kv_len must be a positive int, got {max_kv_len!r}")
+        _expect(is_int(max_kv_len) and max_kv_len >= 1, f"max_kv_len must be a positive int, got {max_kv_len!r}")
     tensors = [q, kv_cache, block_tables, seq_lens, cu_seqlens_q, custom_mask, out]
     devices = {t.device for t in tensors if t is not None}
     _expect(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")

@@ -154,11 +154,16 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     return LaunchPlan(tile, config, num_splits, num_splits > 1 and batch_size * max_kv_len >= DISCARD_MIN_TOKENS)
 
 
+def is_int(value: object) -> bool:
+    """A Python int, not a bool (True went to the kernel as a 1-bit argument, or as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_sizes(caller: str, batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int) -> None:
     """ValueError naming ``caller`` and the argument, for sizes that are not ints in range."""
     for name, value, least in (("batch_size", batch_size, 1), ("num_heads", num_heads, 1), ("max_q_len", max_q_len, 1),
                                ("max_kv_len", max_kv_len, 0), ("num_sms", num_sms, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        if not is_int(value) or value < least:
             kind = "positive" if least else "non-negative"
             raise ValueError(f"{caller}: {name} must be a {kind} int, got {value!r}")
 

@@ -209,9 +209,17 @@ class Case:
     def flops(self) -> int:
         return self.batch * self.seq_len * self.heads * self.q_len * 1088 * 2
 
+    def roofline_s(self, bandwidth: float) -> tuple[float, float]:
+        """(KV bytes / copy bandwidth, FLOPs / PEAK_FLOPS) in seconds: the roofline is the larger."""
+        return self.kv_bytes / bandwidth, self.flops / PEAK_FLOPS
+
+    def plan(self):
+        """(LaunchPlan, KernelConfig) mla_paged_attention launches this case with."""
+        return plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len, self.max_kv_len)
+
     def plan_fields(self) -> dict:
         """The shape and what mla_paged_attention plans for it: the first columns of a table row."""
-        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len, self.max_kv_len)
+        plan, config = self.plan()
         return dict(batch=self.batch, seq_len=self.seq_len, q_len=self.q_len, heads=self.heads,
                     tile=f"{plan.tile.block_h}x{plan.tile.block_q}", splits=plan.num_splits,
                     kernel="wgmma" if config.wgmma else "triton")
@@ -223,7 +231,7 @@ class Case:
 
     def attention_call(self, rotation: int):
         """The attention kernel of triton_call alone, without the reduce of its split partials."""
-        plan, config = plan_for(self.q, self.kv_pool[0], self.block_tables, self.q_len, self.max_kv_len)
+        plan, config = self.plan()
         return lambda: _launch(
             self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
             SM_SCALE, None, self.out, 1.0, plan.num_splits, plan.tile, config,
@@ -274,16 +282,21 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     # Both graphs end with the last rotation: check the outputs their replays left.
     last = case.reference(case.rotations - 1)
     scale = last.abs().max().item()
-    err = (case.out[:case.q_len].float() - last).abs().max().item() / scale
-    memory_bound = case.kv_bytes / bandwidth >= case.flops / PEAK_FLOPS
-    roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
+
+    def relative_error(out: torch.Tensor) -> float:
+        return (out[:case.q_len].float() - last).abs().max().item() / scale
+
+    err = relative_error(case.out)
+    memory_s, compute_s = case.roofline_s(bandwidth)
+    memory_bound = memory_s >= compute_s
+    roof_us = max(memory_s, compute_s) * 1e6
     row = dict(case.plan_fields(), triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
                frac_roofline=roof_us / ours_us, bound="memory" if memory_bound else "compute",
                sm_mhz=float("nan"), watts=float("nan"), fa3_us=float("nan"), fa3_frac=float("nan"),
                speedup_vs_fa3=float("nan"), err=err, fa3_err=float("nan"))
     if fa3:
         row.update(fa3_us=fa3_us[0], fa3_frac=roof_us / fa3_us[0], speedup_vs_fa3=fa3_us[0] / ours_us,
-                   fa3_err=(fa3[1][:case.q_len].float() - last).abs().max().item() / scale)
+                   fa3_err=relative_error(fa3[1]))
     row["check"] = "ok" if err <= check_bound(row["fa3_err"]) else "BAD"
     row["targets"] = targets(row, case.batch * case.seq_len, memory_bound)
     # Last: its half second at full load must not heat the board for either timing.
@@ -374,7 +387,7 @@ def sweep(bandwidth: float) -> None:
     print("\nsweep: shape, num_splits, config -> us (fraction of roofline)")
     for shape, splits_options, configs in SWEEP:
         case = Case(*shape)
-        roof_us = max(case.kv_bytes / bandwidth, case.flops / PEAK_FLOPS) * 1e6
+        roof_us = max(case.roofline_s(bandwidth)) * 1e6
         for num_splits, fields in itertools.product(splits_options, configs):
             config = KernelConfig(*fields)
             try:
@@ -415,7 +428,7 @@ def breakdown() -> None:
         case = Case(*shape)
         full, attention = graph_times_us([case.triton_call(r) for r in range(case.rotations)],
                                          [case.attention_call(r) for r in range(case.rotations)])
-        discards = plan_for(case.q, case.kv_pool[0], case.block_tables, case.q_len)[0].discard_partials
+        discards = case.plan()[0].discard_partials
         print_row(dict(case.plan_fields(), full_us=full, attention_us=attention,
                        reduce_us=float("nan") if discards else full - attention), _BREAKDOWN_COLUMNS)
         del case

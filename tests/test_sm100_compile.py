@@ -225,13 +225,12 @@ SERVING_HEADS = 16
 def _serving_shapes(backend: str, kv_dtype: str, batch_sizes: list[int], num_heads: int,
                     page_size: int = SERVING["page_size"]) -> list[dict]:
     from attn.base import KV_DTYPES as POOL_DTYPES
-    from attn.registry import resolve_backends
+    from attn.registry import decode_query_lens
     from specdec.config import SpecConfig
 
     cfg = SpecConfig(**{**SERVING, "page_size": page_size}, attention_backend=backend, kv_dtype=kv_dtype)
-    choice = resolve_backends(cfg.attention_backend, cfg.decode_backend, cfg.prefill_backend)
-    q_lens = {q_len for role, q_len in (("target", cfg.num_draft_tokens), ("draft", cfg.topk),
-                                         ("draft_extend", cfg.num_steps + 1)) if getattr(choice, role) == backend}
+    q_lens = {q_len for role, q_len in decode_query_lens(cfg.num_draft_tokens, cfg.num_steps, cfg.topk).items()
+              if getattr(cfg.backends, role) == backend}
     return [dict(num_heads=num_heads, q_len=q_len, page_size=page_size, kv_dtype=POOL_DTYPES[kv_dtype], batch_size=bs,
                  max_seq_len=cfg.max_context_len) for q_len in sorted(q_lens) for bs in batch_sizes]
 

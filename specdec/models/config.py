@@ -117,8 +117,7 @@ class DeepseekV3Config:
     def _validate_types(self) -> None:
         """Each field of the type its annotation names (a JSON null, a string or a float where an int
         belongs failed later, in torch or in math, naming no field); ints pass for floats."""
-        checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-                  "float": _is_real,
+        checks = {"int": _is_int, "float": _is_real,
                   "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
                   "dict": lambda v: isinstance(v, dict)}
         for f in fields(self):
@@ -155,7 +154,7 @@ class DeepseekV3Config:
         _check(not missing, "rope_scaling", f"needs {missing}", rs)
         factor, original = rs["factor"], rs["original_max_position_embeddings"]
         _check(_is_real(factor) and factor > 0, "rope_scaling", "needs a positive factor", rs)
-        _check(isinstance(original, int) and not isinstance(original, bool) and original > 0, "rope_scaling",
+        _check(_is_int(original) and original > 0, "rope_scaling",
                "needs a positive int original_max_position_embeddings", rs)
         # Optional. A null or 0 beta takes transformers' default (beta_fast 32, beta_slow 1); a null or
         # 0 mscale the plain YaRN factor, and mscale_all_dim no softmax scaling; an attention_factor
@@ -194,6 +193,11 @@ class DeepseekV3Config:
         d = asdict(self)
         d.pop("quantization_config")  # always None here
         return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **d}
+
+
+def _is_int(value: Any) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_real(value: Any) -> bool:
