@@ -260,7 +260,9 @@ def narrow_partials(config: KernelConfig, num_heads: int, max_q_len: int) -> boo
     the merge reads (H100: 1 x 4k x 128 heads x q_len 4 22.8 -> 17.4 us, 8 x 1k x 128 heads x q_len 4
     30.5 -> 25.0, 8 x 16k x 16 heads x q_len 4 73.4 -> 66.8). Not on a widened wgmma tile (rows
     of no query): it writes few rows, and its 16-bit store goes through shared memory for the
-    whole tile, which cost more than it saved (1 x 16k x 16 heads x q_len 1: 15.4 -> 16.0 us).
+    whole tile, which cost more than it saved (1 x 16k x 16 heads x q_len 1: 15.4 -> 16.0 us); stored
+    straight from the wgmma layout, only the query rows, no faster either (in one process: 14.1 ->
+    14.4 us, x q_len 2 16.9 -> 17.7, 8 x 4k 21.4 -> 21.2, 32 x 1k 21.5 -> 21.4).
     """
     return not config.wgmma or queries_fill_tiles(num_heads, max_q_len)
 
