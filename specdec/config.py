@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import operator
@@ -136,7 +137,15 @@ class SpecConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid setting. EagleWorker validates again, so a
-        config changed after construction is checked too."""
+        config changed after construction is checked too. Settings are normalised (ints, kv_scale
+        as a float, the derived num_draft_tokens, the backends' page size) only once all checks
+        pass: a config that fails is left as it was."""
+        checked = copy.copy(self)
+        checked._check()
+        vars(self).update(vars(checked))
+
+    def _check(self) -> None:
+        """validate's checks, normalising this object's settings as they go."""
         self._check_ints()
         if self.num_draft_tokens is None and self.topk == 1:
             self.num_draft_tokens = self.num_steps + 1

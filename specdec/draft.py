@@ -7,6 +7,7 @@ from typing import Optional, Protocol
 import torch
 
 from attn.base import AttnBatch, LayerSpec
+from specdec.config import ConfigError, SpecConfig
 
 
 class DraftModel(Protocol):
@@ -30,6 +31,31 @@ class DraftModel(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def attn_spec(self) -> LayerSpec: ...
+
+
+def check_draft(draft: DraftModel, target: torch.nn.Module, config: SpecConfig) -> None:
+    """ConfigError where ``draft`` cannot draft for ``target`` under ``config``: another vocabulary,
+    topk past it, a hidden-state draft in standalone mode or of another hidden size or dtype than
+    the target (it reads the target's hidden states), or a draft module on another device."""
+    if draft.vocab_size != target.config.vocab_size:
+        raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens) must be the target's "
+                          f"({target.config.vocab_size}): the draft proposes target token ids")
+    if config.topk > draft.vocab_size:
+        raise ConfigError(f"topk {config.topk} exceeds the vocabulary ({draft.vocab_size} tokens); lower topk")
+    if config.draft_mode == "standalone" and draft.needs_hidden_in:
+        raise ConfigError("draft_mode='standalone' gives the draft no hidden states, which this draft reads "
+                          "(an EAGLE/MTP head); set draft_mode='eagle'")
+    target_param = next(target.parameters())
+    param = next(draft.parameters(), None) if isinstance(draft, torch.nn.Module) else None
+    if param is not None and param.device != target_param.device:
+        raise ConfigError(f"the draft is on {param.device} and the target on {target_param.device}; move the draft")
+    if draft.needs_hidden_in:
+        if draft.hidden_size != target.config.hidden_size:
+            raise ConfigError(f"the draft reads the target's hidden states ({target.config.hidden_size} wide) "
+                              f"but has hidden_size {draft.hidden_size}")
+        if param is not None and param.dtype != target_param.dtype:
+            raise ConfigError(f"the draft's parameters are {param.dtype} and the target's {target_param.dtype}: the "
+                              f"draft reads the target's hidden states; load it in {target_param.dtype}")
 
 
 class StandaloneDraft(torch.nn.Module):

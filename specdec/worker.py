@@ -23,7 +23,7 @@ from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_pass, host_to_device, prefill_cap, prefill_pieces, uniform_batch
 from specdec.config import ConfigError, SpecConfig, require_int
-from specdec.draft import DraftModel
+from specdec.draft import DraftModel, check_draft
 from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample, with_seeds
@@ -48,14 +48,7 @@ class EagleWorker:
         config = copy.deepcopy(config)  # the worker's own: later edits of the caller's reach nothing sized from it
         config.validate()  # again: a config may have been changed since it was built
         self.config = config
-        if draft.vocab_size != target.config.vocab_size:
-            raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens) must be the target's "
-                              f"({target.config.vocab_size}): the draft proposes target token ids")
-        if config.topk > draft.vocab_size:
-            raise ConfigError(f"topk {config.topk} exceeds the vocabulary ({draft.vocab_size} tokens); lower topk")
-        if config.draft_mode == "standalone" and draft.needs_hidden_in:
-            raise ConfigError("draft_mode='standalone' gives the draft no hidden states, which this draft reads "
-                              "(an EAGLE/MTP head); set draft_mode='eagle'")
+        check_draft(draft, target, config)
         self.target, self.draft = target, draft
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
         choice = config.backends

@@ -152,6 +152,20 @@ def test_config_page_size_adjusted_for_blackwell():
     assert cfg.page_size == 64 and cfg.pool_pages == cfg.max_batch_size * 8 + 1
 
 
+def test_a_config_that_fails_validation_is_left_as_it_was():
+    """validate adjusted the page size (and normalised ints and kv_scale) before a later check
+    failed, so an engine that caught the error and undid its own edit kept a page size it never
+    set, and the next error named it."""
+    cfg = SpecConfig(max_context_len=96)
+    cfg.attention_backend, cfg.max_batch_size, cfg.kv_scale = "trtllm_mla", np.int64(4), np.float32(1.0)
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match=r"page_size \(64, the backends' for the 16"):
+        cfg.validate()
+    assert (cfg.page_size, type(cfg.max_batch_size), type(cfg.kv_scale)) == (16, np.int64, np.float32)
+    cfg.attention_backend = "torch_ref"
+    cfg.validate()
+    assert (cfg.page_size, type(cfg.max_batch_size), type(cfg.kv_scale)) == (16, int, float)
+
+
 def test_graph_batch_sizes_take_any_sequence_of_ints():
     """A range, a tuple or a numpy array of batch sizes becomes a list of Python ints."""
     for sizes in (range(1, 4), (1, 2, 3), np.array([1, 2, 3])):
