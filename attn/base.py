@@ -9,6 +9,8 @@ before W_UV). ``attn/`` knows nothing about EAGLE beyond :class:`ForwardMode`.
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -32,6 +34,11 @@ class ForwardMode(enum.Enum):
 
 
 _ARANGES: dict[tuple, torch.Tensor] = {}
+
+
+def positive_finite(value: object) -> bool:
+    """A finite real number > 0 (not a bool, nor a tensor: a scale a kernel takes as an argument)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -74,6 +81,9 @@ class KVCacheView:
             if buf.dim() != 3 or tuple(buf.shape[1:]) != (self.page_size, KV_DIM) or not buf.is_contiguous():
                 raise ValueError(f"KVCacheView: layer {layer}'s kv buffer must be a contiguous [num_pages, "
                                  f"{self.page_size}, {KV_DIM}] tensor, got shape {tuple(buf.shape)} strides {buf.stride()}")
+        # Checked here, not first by a kernel: that runs after the pass's cache write.
+        if not positive_finite(self.kv_scale):
+            raise ValueError(f"KVCacheView: kv_scale must be a finite positive float, got {self.kv_scale!r}")
 
     @property
     def max_context_len(self) -> int:
@@ -131,6 +141,12 @@ class LayerSpec:
 
     num_heads: int
     sm_scale: float
+
+    def __post_init__(self) -> None:
+        if type(self.num_heads) is not int or self.num_heads < 1:
+            raise ValueError(f"LayerSpec: num_heads must be an int >= 1, got {self.num_heads!r}")
+        if not positive_finite(self.sm_scale):  # (NaN made every output NaN, in every backend)
+            raise ValueError(f"LayerSpec: sm_scale must be a finite positive float, got {self.sm_scale!r}")
 
 
 class AttentionBackend(Protocol):

@@ -60,9 +60,17 @@ class FlashInferMLABackend(PagedMLABackend):
         )
 
     def init_forward_metadata(self, batch: AttnBatch, shared_block_tables: Optional[torch.Tensor] = None) -> None:
+        super().init_forward_metadata(batch, shared_block_tables)
+        try:
+            self._schedule(batch)
+        except BaseException:
+            self.metadata = None  # forward must not run the last pass's schedule with this pass's metadata
+            raise
+
+    def _schedule(self, batch: AttnBatch) -> None:
+        """Plan the pass (wrapper_in_use): on the host for variable query lengths, else on the device."""
         from flashinfer.mla import MLAPlanMetadata
 
-        super().init_forward_metadata(batch, shared_block_tables)
         md = self.metadata
         if not batch.uniform_q_len:
             self._plan(self.wrapper, MLAPlanMetadata.dense(md.cu_seqlens_q, md.block_tables, md.seq_lens, batch.max_q_len))

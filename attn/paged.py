@@ -13,7 +13,9 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange
+from attn.base import (
+    KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange,
+)
 from attn.workspace import get_workspace
 
 
@@ -202,6 +204,8 @@ class PagedMLABackend:
             raise ValueError(f"{self.name}: the metadata was built for a batch of {self.metadata.seq_lens.shape[0]} "
                              f"requests, this pass has {batch.batch_size}; call init_forward_metadata with its batch")
         heads, tokens = self.layer.num_heads, batch.num_tokens
+        if type(batch.max_q_len) is not int or batch.max_q_len < min(tokens, 1):
+            raise ValueError(f"{self.name}: max_q_len must be an int >= 1 (0 for no tokens), got {batch.max_q_len!r}")
         if q.dim() != 3 or tuple(q.shape[1:]) != (heads, KV_DIM):
             raise ValueError(f"{self.name}: q must be [tokens, {heads}, {KV_DIM}], got {tuple(q.shape)}")
         if q.stride(2) != 1:

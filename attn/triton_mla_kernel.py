@@ -15,14 +15,12 @@ The module imports without Triton (CPU-only installs): planning and input checks
 """
 
 import functools
-import math
-import numbers
 from types import SimpleNamespace
 
 import torch
 
 from attn import triton_mla_wgmma
-from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
+from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM, positive_finite
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
 from attn.triton_mla_plan import (
     MAX_SPLITS,
@@ -326,8 +324,7 @@ def _check_inputs(
     _expect(is_int(max_q_len) and max_q_len >= 1, f"max_q_len must be a positive int, got {max_q_len!r}")
     for name, scale in (("sm_scale", sm_scale), ("kv_scale", kv_scale)):
         # A tensor failed inside Triton; NaN or inf made every output non-finite.
-        _expect(isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
-                f"{name} must be a finite positive float, got {scale!r}")
+        _expect(positive_finite(scale), f"{name} must be a finite positive float, got {scale!r}")
     if custom_mask is not None:
         _expect(custom_mask.dtype == torch.bool, f"custom_mask must be bool, got {custom_mask.dtype}")
         _expect(custom_mask.dim() == 3 and custom_mask.shape[:2] == (batch_size, max_q_len) and custom_mask.shape[2] >= 1,

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,6 +165,9 @@ def test_refused_passes_leave_the_cache_and_metadata_as_they_were():
     for bad in (0, True):
         with pytest.raises(ValueError, match="max_kv_len must be None or an int >= 1"):
             backend.init_forward_metadata(dataclasses.replace(batch, max_kv_len=bad))
+    for bad in (np.int64(2), 2.0, 0):  # the Triton kernel refused these only after the cache write
+        with pytest.raises(ValueError, match="max_q_len must be an int >= 1"):
+            backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, dataclasses.replace(batch, max_q_len=bad))
     mask = torch.ones(1, 4, 2, dtype=torch.bool).transpose(1, 2)  # [1, 2, 4], last dim strided
     with pytest.raises(ValueError, match="tree mask's last dim must be contiguous"):
         backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, dataclasses.replace(batch, custom_mask=mask))
@@ -288,6 +292,22 @@ def test_cache_views_backends_could_not_write_through_are_refused():
         KVCacheView([pool.kv_buffers[0], page_first[:, 1]], pool.req_to_token, 4)
     with pytest.raises(ValueError, match="must be a contiguous \\[num_pages, 8, 576\\]"):
         KVCacheView(pool.kv_buffers, pool.req_to_token, 8)
+
+
+def test_scales_a_kernel_would_refuse_after_the_cache_write_are_refused_up_front():
+    """NaN, 0, a bool or a tensor as the softmax scale or the fp8 scale: the Triton kernel refused them
+    at its launch, after the pass had written its kv rows; the reference returned NaN."""
+    from attn.base import KVCacheView
+
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
+    for bad in (float("nan"), 0.0, True, torch.tensor(0.3)):
+        with pytest.raises(ValueError, match="LayerSpec: sm_scale must be a finite positive float"):
+            LayerSpec(num_heads=2, sm_scale=bad)
+        with pytest.raises(ValueError, match="KVCacheView: kv_scale must be a finite positive float"):
+            KVCacheView(pool.kv_buffers, pool.req_to_token, 4, kv_scale=bad)
+    with pytest.raises(ValueError, match="LayerSpec: num_heads must be an int >= 1"):
+        LayerSpec(num_heads=0, sm_scale=0.3)
+    assert LayerSpec(num_heads=2, sm_scale=np.float32(0.3)).sm_scale == np.float32(0.3)
 
 
 def test_backends_refuse_caches_of_dtypes_their_kernel_does_not_take():
