@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from attn.reference import paged_mla_reference
+from attn.registry import get_backend_class
 from specdec.baseline import greedy_generate
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.worker import EagleWorker
@@ -58,3 +60,57 @@ def reference(target, groups, **kwargs) -> list[list[int]]:
         out += greedy_generate(target, group, max_new, **kwargs)
     return out
 
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s stream is capturing a CUDA graph: reading device values would sync."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def query_dtype(kv_cache: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels take queries in: the cache's, bf16 over an fp8 cache."""
+    return torch.bfloat16 if kv_cache.dtype == torch.float8_e4m3fn else kv_cache.dtype
+
+
+def kernel_errors(monkeypatch, backend: str, tail_rows: int | None = None) -> list[float]:
+    """Wraps ``backend``'s two kernel calls: each eager call's largest error against the plain-torch
+    reference on the same inputs (its query rounded to query_dtype, as the kernels take it),
+    relative to the reference's largest value. For backends whose kernel calls each run a whole
+    pass (triton_mla, flashinfer_mla; not the chunked prefill's pieces). tail_rows: compare only
+    each request's last tail_rows query rows, which see all of its kv (for passes whose reference
+    over every row would not fit in memory)."""
+    errors: list[float] = []
+    cls = get_backend_class(backend)
+    decode, prefill = cls._run_decode_kernel, cls._run_prefill_kernel
+
+    def record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask=None):
+        if tail_rows is not None:
+            bounds = cu_seqlens_q.tolist()
+            keep = [torch.arange(max(start, end - tail_rows), end) for start, end in zip(bounds[:-1], bounds[1:])]
+            rows = torch.cat(keep).to(query.device)
+            query, out = query[rows], out[rows]
+            cu_seqlens_q = torch.tensor([0] + [len(k) for k in keep]).cumsum(0).int().to(query.device)
+            max_q_len = max(len(k) for k in keep)
+        ref = paged_mla_reference(query.to(query_dtype(kv_cache)).float(), kv_cache, block_tables, seq_lens,
+                                  cu_seqlens_q, max_q_len, self.layer.sm_scale,
+                                  custom_mask=None if custom_mask is None else custom_mask.bool(),
+                                  kv_scale=self.bmm2_scale())
+        errors.append(((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
+
+    def checked_decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
+        out = decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
+        if capturing(query):
+            return out
+        bs, q_len = query.shape[:2]
+        cu = torch.arange(bs + 1, device=query.device, dtype=torch.int32) * q_len
+        record(self, out.flatten(0, 1), query.flatten(0, 1), kv_cache, block_tables, seq_lens, cu, q_len, custom_mask)
+        return out
+
+    def checked_prefill(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len):
+        out = prefill(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len)
+        if not capturing(query):
+            record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len)
+        return out
+
+    monkeypatch.setattr(cls, "_run_decode_kernel", checked_decode)
+    monkeypatch.setattr(cls, "_run_prefill_kernel", checked_prefill)
+    return errors

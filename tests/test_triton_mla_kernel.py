@@ -238,11 +238,12 @@ _INTERPRETED_STRIDES = """
 import torch
 
 from attn.triton_mla_kernel import mla_paged_attention
-from test_triton_mla_kernel import make_inputs
+from test_triton_mla_kernel import make_inputs, reference
 
 STRIDE = 2 ** 30  # int32, but head 2 of a view with this head stride lies past 2 ** 31 elements
 args, q_len = make_inputs([20], [1], 3, 16, "cpu", q_dtype=torch.float16, kv_dtype=torch.float16)
 expected = mla_paged_attention(**args, max_q_len=q_len, sm_scale=0.07)
+torch.testing.assert_close(expected.float(), reference(**args, sm_scale=0.07), atol=2e-3, rtol=2e-3)
 
 
 def head_strided(rows):
@@ -454,6 +455,7 @@ def test_head_strides_past_int32_offsets(num_splits):
     stride = 2 ** 28  # head 15: 15 * 2**28 elements in; 8 GB of views a call
     args, q_len = make_inputs([300, 70], [4, 4], 16, 64, "cuda")
     expected = mla_paged_attention(**args, max_q_len=q_len, sm_scale=SM_SCALE, num_splits=num_splits)
+    torch.testing.assert_close(expected.float().cpu(), reference(**args, sm_scale=SM_SCALE), atol=ATOL, rtol=RTOL)
 
     def head_strided(rows):
         tokens, heads, n = rows.shape

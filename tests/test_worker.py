@@ -495,20 +495,23 @@ def test_a_request_that_fills_its_context_exactly_runs_to_the_end(target, mtp, m
     assert req.output == greedy_generate(target, [prompt], max_new)[0]
 
 
-def test_kv_scale_reaches_both_pools_of_an_fp8_cache(target, mtp):
-    """SpecConfig.kv_scale: an fp8_e4m3 cache stores kv / kv_scale. The target's first layer's kv
-    input does not depend on attention, so it equals the fp32 cache's values over 4, rounded to
-    e4m3. Bad scales are refused up front."""
+def test_kv_scale_reaches_both_pools_of_an_fp8_cache(target):
+    """SpecConfig.kv_scale: an fp8_e4m3 cache stores kv / kv_scale, in the target's pool and the
+    draft's. A layer's first kv input does not depend on attention, so the first layer's rows of
+    the prompt equal the fp32 cache's values over 4, rounded to e4m3; the draft here is the target
+    itself (standalone), whose first layer writes the same rows into its own pool. Bad scales are
+    refused up front."""
     group = prompts(2, seed=12)
-    workers = [EagleWorker(target, mtp, SpecConfig(num_steps=2, kv_dtype=dtype, kv_scale=scale, max_batch_size=2,
-                                                   max_context_len=64))
+    workers = [EagleWorker(target, StandaloneDraft(target),
+                           SpecConfig(num_steps=2, kv_dtype=dtype, kv_scale=scale, draft_mode="standalone",
+                                      max_batch_size=2, max_context_len=64))
                for scale, dtype in ((1.0, "fp32"), (4.0, "fp8_e4m3"))]
     exact, scaled = (w.add_requests(group, 6) for w in workers)
-    assert workers[1].target_pool.kv_scale == workers[1].draft_pool.kv_scale == 4.0
     for a, b in zip(exact, scaled):
         want = (cached(workers[0].target_pool, a.target_row, len(a.prompt))[0] / 4).to(torch.float8_e4m3fn)
-        got = cached(workers[1].target_pool, b.target_row, len(b.prompt))[0]
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        for pool, row in ((workers[1].target_pool, b.target_row), (workers[1].draft_pool, b.draft_row)):
+            got = cached(pool, row, len(b.prompt))[0]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     for bad in (0.0, -1.0, float("inf"), True, "2"):
         with pytest.raises(ConfigError, match="kv_scale must be a finite number > 0"):
             SpecConfig(kv_dtype="fp8_e4m3", kv_scale=bad)

@@ -25,7 +25,6 @@ import torch
 
 from attn.base import KV_DTYPES
 from attn.paged import PagedMLABackend
-from attn.reference import paged_mla_reference
 from attn.registry import get_backend_class
 from graphs.runner import GraphRunner
 from specdec.baseline import greedy_generate
@@ -35,7 +34,7 @@ from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import DeepseekV3ForCausalLM
 from specdec.sampling import SamplingParams
 from specdec.worker import EagleWorker
-from spec_helpers import VOCAB, make_models, tiny_config
+from spec_helpers import VOCAB, capturing, kernel_errors, make_models, tiny_config
 
 # (prompt, max_new, greedy_generate's backend arguments) -> target-only output, shared by the seeds
 _GREEDY: dict[tuple, list[int]] = {}
@@ -58,11 +57,6 @@ def gpu_models():
     """(target, drafts) on the GPU in fp32 (each test chooses its cache's dtype)."""
     target, mtp = make_models("cuda", torch.float32)
     return target, draft_models(target, mtp)
-
-
-def capturing(t: torch.Tensor) -> bool:
-    """Whether ``t``'s stream is capturing a CUDA graph: reading device values would sync."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class Watch:
@@ -145,47 +139,6 @@ def pytest_generate_tests(metafunc):
 
 def test_engine_driven_worker_matches_target_only_decoding(seed, target, drafts, kv_writes):
     drive(random.Random(seed), target, drafts, kv_writes)
-
-
-def query_dtype(kv_cache: torch.Tensor) -> torch.dtype:
-    """The dtype the kernels take queries in: the cache's, bf16 over an fp8 cache."""
-    return torch.bfloat16 if kv_cache.dtype == torch.float8_e4m3fn else kv_cache.dtype
-
-
-def kernel_errors(monkeypatch, backend: str) -> list[float]:
-    """Wraps ``backend``'s two kernel calls: each eager call's largest error against the plain-torch
-    reference on the same inputs (its query rounded to query_dtype, as the kernels take it),
-    relative to the reference's largest value. For backends whose kernel calls each run a whole
-    pass (triton_mla, flashinfer_mla; not the chunked prefill's pieces)."""
-    errors: list[float] = []
-    cls = get_backend_class(backend)
-    decode, prefill = cls._run_decode_kernel, cls._run_prefill_kernel
-
-    def record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask=None):
-        ref = paged_mla_reference(query.to(query_dtype(kv_cache)).float(), kv_cache, block_tables, seq_lens,
-                                  cu_seqlens_q, max_q_len, self.layer.sm_scale,
-                                  custom_mask=None if custom_mask is None else custom_mask.bool(),
-                                  kv_scale=self.bmm2_scale())
-        errors.append(((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
-
-    def checked_decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
-        out = decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
-        if capturing(query):
-            return out
-        bs, q_len = query.shape[:2]
-        cu = torch.arange(bs + 1, device=query.device, dtype=torch.int32) * q_len
-        record(self, out.flatten(0, 1), query.flatten(0, 1), kv_cache, block_tables, seq_lens, cu, q_len, custom_mask)
-        return out
-
-    def checked_prefill(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len):
-        out = prefill(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, max_seq_len)
-        if not capturing(query):
-            record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len)
-        return out
-
-    monkeypatch.setattr(cls, "_run_decode_kernel", checked_decode)
-    monkeypatch.setattr(cls, "_run_prefill_kernel", checked_prefill)
-    return errors
 
 
 @pytest.mark.gpu
