@@ -83,18 +83,22 @@ def kernel_errors(monkeypatch, backend: str, tail_rows: int | None = None) -> li
     decode, prefill = cls._run_decode_kernel, cls._run_prefill_kernel
 
     def record(self, out, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask=None):
-        if tail_rows is not None:
-            bounds = cu_seqlens_q.tolist()
-            keep = [torch.arange(max(start, end - tail_rows), end) for start, end in zip(bounds[:-1], bounds[1:])]
-            rows = torch.cat(keep).to(query.device)
-            query, out = query[rows], out[rows]
-            cu_seqlens_q = torch.tensor([0] + [len(k) for k in keep]).cumsum(0).int().to(query.device)
-            max_q_len = max(len(k) for k in keep)
-        ref = paged_mla_reference(query.to(query_dtype(kv_cache)).float(), kv_cache, block_tables, seq_lens,
-                                  cu_seqlens_q, max_q_len, self.layer.sm_scale,
-                                  custom_mask=None if custom_mask is None else custom_mask.bool(),
-                                  kv_scale=self.bmm2_scale())
-        errors.append(((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
+        pieces = [(out, query, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask)]
+        if tail_rows is not None:  # a request at a time: the reference gathers [rows, table width, 576]
+            bounds, pieces = cu_seqlens_q.tolist(), []
+            for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+                n = min(tail_rows, end - start)
+                if n:
+                    cu = torch.tensor([0, n], dtype=torch.int32, device=query.device)
+                    mask = None if custom_mask is None else custom_mask[b:b + 1, end - start - n:end - start]
+                    pieces.append((out[end - n:end], query[end - n:end], block_tables[b:b + 1], seq_lens[b:b + 1],
+                                   cu, n, mask))
+        for out, query, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask in pieces:
+            ref = paged_mla_reference(query.to(query_dtype(kv_cache)).float(), kv_cache, block_tables, seq_lens,
+                                      cu_seqlens_q, max_q_len, self.layer.sm_scale,
+                                      custom_mask=None if custom_mask is None else custom_mask.bool(),
+                                      kv_scale=self.bmm2_scale())
+            errors.append(((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
 
     def checked_decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
         out = decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask)
