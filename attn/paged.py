@@ -286,31 +286,36 @@ class PagedMLABackend:
     ) -> torch.Tensor:
         """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
 
-        Default: the decode kernel over chunks of at most ``max_decode_q_len`` query tokens per
-        request. Requests are right-aligned in a ``[B, span]`` grid (span: max_q_len in whole
-        chunks), so the chunk ending at column e sees kv length ``seq_len - span + e``, never past
-        seq_len. Each chunk gathers its ``[B, chunk]`` cells from query and scatters its output
-        back; cells before a request's first token are padding (they read token 0 and write a
-        trash row, and a chunk of them alone sees one kv row). O(B x span) rows in all, no host sync.
+        Default: the decode kernel over chunks of ``chunk`` (at most ``max_decode_q_len``) query
+        tokens per request. Chunk j (from the end) of a request of kv length L holds kv positions
+        ``[E - chunk, E)`` with E = max(L - j * chunk, chunk), and sees kv length E: right-aligned
+        at L, and the earliest chunk at position 0, so a chunk never sees fewer kv rows than its
+        query tokens (the decode kernels assume a kv row at every query position) nor more than
+        max(L, chunk) (within max_seq_len: chunk <= max_q_len). Each chunk gathers its ``[B,
+        chunk]`` cells from query (the new tokens at positions no later chunk holds) and scatters
+        its output back; the other cells are padding: they read token 0 and write a trash row, and
+        a chunk of them alone sees the first ``chunk`` kv rows, not a long cached prefix. O(B x
+        max_q_len) rows in all, no host sync.
         """
         num_tokens, heads = query.shape[:2]
         if num_tokens == 0:
             return query.new_empty(0, heads, KV_LORA_RANK)
         chunk = min(self.max_decode_q_len or max_q_len, max_q_len)
-        span = -(-max_q_len // chunk) * chunk
-        starts = cu_seqlens_q[:-1].long()
-        first = cu_seqlens_q[1:].long() - span  # [B]: the token at column 0 (before the request where padded)
+        kv_len = seq_lens.long()
+        starts, ends = cu_seqlens_q[:-1].long(), cu_seqlens_q[1:].long()
+        first_new = kv_len - (ends - starts)  # [B]: the kv position of each request's first query token
         out = query.new_empty(num_tokens + 1, heads, KV_LORA_RANK)  # the last row is the trash row
         cols = torch.arange(chunk, device=query.device)
-        for start in range(0, span, chunk):
-            token = first[:, None] + start + cols  # [B, chunk]
-            present = token >= starts[:, None]
-            # A chunk of padding cells alone attends to one kv row: not to a cached prefix (chunked
-            # prefill), and never to an empty sequence.
-            lens = torch.where(present.any(1), seq_lens.long() - span + start + chunk, 1).int()
-            part = self._run_decode_kernel(query[torch.where(present, token, 0)], kv_cache, block_tables, lens,
+        for j in range(-(-max_q_len // chunk)):
+            later = kv_len - j * chunk  # [B]: positions from here on are the later chunks'
+            end = later.clamp(min=chunk)
+            position = end[:, None] - chunk + cols  # [B, chunk]
+            present = (position >= first_new[:, None]) & (position < later[:, None])
+            token = torch.where(present, starts[:, None] + position - first_new[:, None], num_tokens)
+            lens = torch.where(present.any(1), end, chunk).int()
+            part = self._run_decode_kernel(query[token.clamp(max=num_tokens - 1)], kv_cache, block_tables, lens,
                                            max_seq_len, None)
-            out.index_copy_(0, torch.where(present, token, num_tokens).flatten(), part.flatten(0, 1).to(out.dtype))
+            out.index_copy_(0, token.flatten(), part.flatten(0, 1).to(out.dtype))
         return out[:num_tokens]
 
 

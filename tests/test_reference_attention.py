@@ -221,10 +221,56 @@ def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    # Four chunks of 3 columns, requests right-aligned: a chunk with a request's tokens sees its kv up
-    # to the chunk's last column; a chunk of padding alone sees one kv row, neither the request's
-    # cached prefix (request 2's 3 tokens) nor an empty sequence (request 1, no new tokens).
-    assert ChunkedDecodeBackend.kv_lens == [[1, 1, 1, 2], [3, 1, 1, 5], [6, 1, 1, 8], [9, 1, 4, 11]]
+    # Four chunks of 3 query tokens from the end, right-aligned at each request's length: a chunk
+    # with a request's tokens sees its kv up to the chunk's last position, the earliest from
+    # position 0 (request 3's first two tokens, position 2 being the next chunk's); a chunk of
+    # padding alone sees the first 3 kv rows, not the cached prefix (request 1, no new tokens; request
+    # 2 past its one token). No chunk sees fewer kv rows than its 3 query tokens.
+    assert ChunkedDecodeBackend.kv_lens == [[9, 3, 4, 11], [6, 3, 3, 8], [3, 3, 3, 5], [3, 3, 3, 3]]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_chunked_prefill_of_random_batches_matches_ragged(seed):
+    """Random prefixes (0 to 9 cached tokens), new-token counts (0 to 13) and chunk sizes (1 to 5):
+    the chunked prefill equals the ragged reference, and every decode-kernel call sees between
+    its query tokens and max(its request's kv length, its query tokens) kv rows."""
+    g = torch.Generator().manual_seed(seed)
+    chunk = int(torch.randint(1, 6, (1,), generator=g))
+    batch_size = int(torch.randint(1, 5, (1,), generator=g))
+    prefixes = torch.randint(0, 10, (batch_size,), generator=g).tolist()
+    q_lens = torch.randint(0, 14, (batch_size,), generator=g).tolist()
+    q_lens[0] = max(q_lens[0], 1)
+    lens = [p + n for p, n in zip(prefixes, q_lens)]
+    pool = MLAKVPool(1, 32, 4, batch_size, 24, torch.float32)
+    rows = [pool.alloc_request() for _ in range(batch_size)]
+    for row, n in zip(rows, lens):
+        pool.ensure_capacity(row, n)
+    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, generator=g))
+    loc = torch.cat([pool.req_to_token[r, n - q:n] for r, n, q in zip(rows, lens, q_lens)]).long()
+    cu = torch.tensor([0] + q_lens).cumsum(0).int()
+    batch = AttnBatch(ForwardMode.EXTEND, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), loc, cu,
+                      max(q_lens), False)
+    q = torch.randn(sum(q_lens), 2, 576, generator=g)
+    kv_new = torch.randn(sum(q_lens), 576, generator=g)
+    calls = []
+
+    class Chunked(ChunkedDecodeBackend):
+        max_decode_q_len = chunk
+
+        def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
+            calls.append((query.shape[1], seq_lens.tolist()))
+            return TorchRefBackend._run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len,
+                                                      custom_mask)
+
+    outs = []
+    for cls in (TorchRefBackend, Chunked):
+        backend = cls(pool.view(), LayerSpec(num_heads=2, sm_scale=0.2), batch_size, 1)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, kv_new, 0, batch))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert calls
+    for q_len, kv_lens in calls:
+        assert all(q_len <= n <= max(length, q_len) for n, length in zip(kv_lens, lens)), (q_len, kv_lens, lens)
 
 
 def plain_causal(q, kv, scale):
