@@ -66,6 +66,8 @@ class KVCacheView:
         of each position of each request; positions of a request lie in its pages in order, so
         ``req_to_token[r, ::page_size] // page_size`` is its block table.
     kv_scale: per-tensor dequantisation scale of an fp8 cache (1.0 otherwise).
+    Slots no request has written must hold finite values (zeros, or a freed request's kv): some
+    kernels read such rows under a mask (PagedMLABackend's chunked prefill), and 0 x NaN is NaN.
     """
 
     kv_buffers: Sequence[torch.Tensor]

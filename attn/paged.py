@@ -291,7 +291,10 @@ class PagedMLABackend:
         ``[E - chunk, E)`` with E = max(L - j * chunk, chunk), and sees kv length E: right-aligned
         at L, and the earliest chunk at position 0, so a chunk never sees fewer kv rows than its
         query tokens (the decode kernels assume a kv row at every query position) nor more than
-        max(L, chunk) (within max_seq_len: chunk <= max_q_len). Each chunk gathers its ``[B,
+        max(L, chunk) (within max_seq_len: chunk <= max_q_len). A request shorter than a chunk
+        has its chunk see kv rows past L, hidden from its tokens by the causal mask but read by the
+        kernel: they must hold finite values (the pool is zero-initialised; a freed page keeps old
+        kv), as 0 x NaN in softmax x V is NaN. Each chunk gathers its ``[B,
         chunk]`` cells from query (the new tokens at positions no later chunk holds) and scatters
         its output back; the other cells are padding: they read token 0 and write a trash row, and
         a chunk of them alone sees the first ``chunk`` kv rows, not a long cached prefix. O(B x
