@@ -38,7 +38,12 @@ _ARANGES: dict[tuple, torch.Tensor] = {}
 
 def positive_finite(value: object) -> bool:
     """A finite real number > 0 (not a bool, nor a tensor: a scale a kernel takes as an argument)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int past fp64
+        return False
 
 
 def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -66,8 +71,10 @@ class KVCacheView:
         of each position of each request; positions of a request lie in its pages in order, so
         ``req_to_token[r, ::page_size] // page_size`` is its block table.
     kv_scale: per-tensor dequantisation scale of an fp8 cache (1.0 otherwise).
-    Slots no request has written must hold finite values (zeros, or a freed request's kv): some
-    kernels read such rows under a mask (PagedMLABackend's chunked prefill), and 0 x NaN is NaN.
+    Entries past a request's length must still be slots of the pool, and slots no request has
+    written must hold finite values (zeros, or a freed request's kv): PagedMLABackend's chunked
+    prefill of a request shorter than a chunk (up to 8 positions) reads those rows under the
+    causal mask, and 0 x NaN is NaN.
     """
 
     kv_buffers: Sequence[torch.Tensor]

@@ -291,7 +291,7 @@ class PagedMLABackend:
         ``[E - chunk, E)`` with E = max(L - j * chunk, chunk), and sees kv length E: right-aligned
         at L, and the earliest chunk at position 0, so a chunk never sees fewer kv rows than its
         query tokens (the decode kernels assume a kv row at every query position) nor more than
-        max(L, chunk) (within max_seq_len: chunk <= max_q_len). A request shorter than a chunk
+        max(L, chunk) (within max_seq_len: so is chunk). A request shorter than a chunk
         has its chunk see kv rows past L, hidden from its tokens by the causal mask but read by the
         kernel: they must hold finite values (the pool is zero-initialised; a freed page keeps old
         kv), as 0 x NaN in softmax x V is NaN. Each chunk gathers its ``[B,
@@ -303,7 +303,8 @@ class PagedMLABackend:
         num_tokens, heads = query.shape[:2]
         if num_tokens == 0:
             return query.new_empty(0, heads, KV_LORA_RANK)
-        chunk = min(self.max_decode_q_len or max_q_len, max_q_len)
+        # (max_q_len and max_seq_len are host bounds, which a request's q_len <= L stays within)
+        chunk = min(self.max_decode_q_len or max_q_len, max_q_len, max_seq_len)
         kv_len = seq_lens.long()
         starts, ends = cu_seqlens_q[:-1].long(), cu_seqlens_q[1:].long()
         first_new = kv_len - (ends - starts)  # [B]: the kv position of each request's first query token

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 import operator
 from collections.abc import Iterable
@@ -13,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attn.base import KV_DTYPES
+from attn.base import KV_DTYPES, positive_finite
 from attn.registry import (
     BackendChoice, backend_names, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
     resolve_backends,
@@ -177,11 +176,7 @@ class SpecConfig:
             if not (optional and value is None) and (not isinstance(value, str) or value not in backend_names()):
                 raise ConfigError(f"{name} must be one of {backend_names()}{' or None' if optional else ''}, "
                                   f"got {value!r}")
-        try:  # (float() overflows for an int past fp64)
-            finite = is_real(self.kv_scale) and math.isfinite(float(self.kv_scale)) and self.kv_scale > 0
-        except OverflowError:
-            finite = False
-        if not finite:
+        if not positive_finite(self.kv_scale):
             raise ConfigError(f"kv_scale must be a finite number > 0, got {self.kv_scale!r}")
         self.kv_scale = float(self.kv_scale)
         if self.kv_scale != 1.0 and self.kv_dtype != "fp8_e4m3":

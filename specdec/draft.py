@@ -46,16 +46,20 @@ def check_draft(draft: DraftModel, target: torch.nn.Module, config: SpecConfig) 
         raise ConfigError("draft_mode='standalone' gives the draft no hidden states, which this draft reads "
                           "(an EAGLE/MTP head); set draft_mode='eagle'")
     target_param = next(target.parameters())
-    param = next(draft.parameters(), None) if isinstance(draft, torch.nn.Module) else None
-    if param is not None and param.device != target_param.device:
-        raise ConfigError(f"the draft is on {param.device} and the target on {target_param.device}; move the draft")
+    shared = {id(p) for p in target.parameters()}  # an MTP head's embedding and lm head may be the target's
+    own = [p for p in draft.parameters() if id(p) not in shared] if isinstance(draft, torch.nn.Module) else []
+    devices, dtypes = {p.device for p in own}, {p.dtype for p in own}
+    if devices - {target_param.device}:
+        raise ConfigError(f"the draft has parameters on {sorted(map(str, devices))} and the target on "
+                          f"{target_param.device}; move the draft")
     if draft.needs_hidden_in:
         if draft.hidden_size != target.config.hidden_size:
             raise ConfigError(f"the draft reads the target's hidden states ({target.config.hidden_size} wide) "
                               f"but has hidden_size {draft.hidden_size}")
-        if param is not None and param.dtype != target_param.dtype:
-            raise ConfigError(f"the draft's parameters are {param.dtype} and the target's {target_param.dtype}: the "
-                              f"draft reads the target's hidden states; load it in {target_param.dtype}")
+        if dtypes - {target_param.dtype}:
+            raise ConfigError(f"the draft has parameters in {sorted(map(str, dtypes))} and the target's are "
+                              f"{target_param.dtype}: the draft reads the target's hidden states; load it in "
+                              f"{target_param.dtype}")
 
 
 class StandaloneDraft(torch.nn.Module):

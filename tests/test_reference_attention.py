@@ -229,16 +229,19 @@ def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
     assert ChunkedDecodeBackend.kv_lens == [[9, 3, 4, 11], [6, 3, 3, 8], [3, 3, 3, 5], [3, 3, 3, 3]]
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_chunked_prefill_of_random_batches_matches_ragged(seed):
-    """Random prefixes (0 to 9 cached tokens), new-token counts (0 to 13) and chunk sizes (1 to 5):
-    the chunked prefill equals the ragged reference, and every decode-kernel call sees between
-    its query tokens and max(its request's kv length, its query tokens) kv rows."""
+    """Random prefixes (0 to 9 cached tokens), new-token counts (0 to 13) and chunk sizes (1 to 8),
+    on odd seeds with a loose max_q_len (the host bound, 5 past the longest) and max_kv_len the
+    longest request: the chunked prefill equals the ragged reference, and every decode-kernel call
+    sees between its query tokens and max(its request's kv length, its query tokens) kv rows, and
+    at most max_seq_len."""
     g = torch.Generator().manual_seed(seed)
-    chunk = int(torch.randint(1, 6, (1,), generator=g))
+    chunk = int(torch.randint(1, 9, (1,), generator=g))
     batch_size = int(torch.randint(1, 5, (1,), generator=g))
-    prefixes = torch.randint(0, 10, (batch_size,), generator=g).tolist()
-    q_lens = torch.randint(0, 14, (batch_size,), generator=g).tolist()
+    # Odd seeds: short requests, which a chunk can outgrow (a loose bound made chunks past max_seq_len).
+    prefixes = torch.randint(0, 10 if seed % 2 == 0 else 2, (batch_size,), generator=g).tolist()
+    q_lens = torch.randint(0, 14 if seed % 2 == 0 else 4, (batch_size,), generator=g).tolist()
     q_lens[0] = max(q_lens[0], 1)
     lens = [p + n for p, n in zip(prefixes, q_lens)]
     pool = MLAKVPool(1, 32, 4, batch_size, 24, torch.float32)
@@ -249,7 +252,7 @@ def test_chunked_prefill_of_random_batches_matches_ragged(seed):
     loc = torch.cat([pool.req_to_token[r, n - q:n] for r, n, q in zip(rows, lens, q_lens)]).long()
     cu = torch.tensor([0] + q_lens).cumsum(0).int()
     batch = AttnBatch(ForwardMode.EXTEND, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), loc, cu,
-                      max(q_lens), False)
+                      max(q_lens) + 5 * (seed % 2), False, max_kv_len=max(lens) if seed % 2 else None)
     q = torch.randn(sum(q_lens), 2, 576, generator=g)
     kv_new = torch.randn(sum(q_lens), 576, generator=g)
     calls = []
@@ -258,7 +261,7 @@ def test_chunked_prefill_of_random_batches_matches_ragged(seed):
         max_decode_q_len = chunk
 
         def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
-            calls.append((query.shape[1], seq_lens.tolist()))
+            calls.append((query.shape[1], seq_lens.tolist(), max_seq_len))
             return TorchRefBackend._run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len,
                                                       custom_mask)
 
@@ -269,8 +272,9 @@ def test_chunked_prefill_of_random_batches_matches_ragged(seed):
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     assert calls
-    for q_len, kv_lens in calls:
-        assert all(q_len <= n <= max(length, q_len) for n, length in zip(kv_lens, lens)), (q_len, kv_lens, lens)
+    for q_len, kv_lens, max_seq_len in calls:
+        assert all(q_len <= n <= min(max(length, q_len), max_seq_len) for n, length in zip(kv_lens, lens)), (
+            q_len, kv_lens, lens, max_seq_len)
 
 
 def plain_causal(q, kv, scale):
@@ -346,7 +350,7 @@ def test_scales_a_kernel_would_refuse_after_the_cache_write_are_refused_up_front
     from attn.base import KVCacheView
 
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
-    for bad in (float("nan"), 0.0, True, torch.tensor(0.3)):
+    for bad in (float("nan"), 0.0, True, torch.tensor(0.3), 10**400):
         with pytest.raises(ValueError, match="LayerSpec: sm_scale must be a finite positive float"):
             LayerSpec(num_heads=2, sm_scale=bad)
         with pytest.raises(ValueError, match="KVCacheView: kv_scale must be a finite positive float"):

@@ -146,15 +146,18 @@ def test_a_hidden_state_draft_unlike_the_target_is_refused_up_front(target):
     """An MTP head reads the target's hidden states: one in another dtype failed in eh_proj at the
     first add_requests ("expected m1 and m2 to have the same dtype"), one of another width or on
     another device likewise. A standalone draft in another dtype runs, and is accepted."""
-    other_dtype = DeepseekMTP(target.config, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match="the draft's parameters are torch.bfloat16 and the target's torch.float32"):
-        EagleWorker(target, other_dtype, SpecConfig(num_steps=2, max_context_len=64))
+    for shares in (None, target):  # its own embedding and head, or the target's
+        other_dtype = DeepseekMTP(target.config, target=shares, dtype=torch.bfloat16)
+        with pytest.raises(ConfigError, match=r"the draft has parameters in \['torch.bfloat16'\] and the "
+                                              r"target's are torch.float32"):
+            EagleWorker(target, other_dtype, SpecConfig(num_steps=2, max_context_len=64))
+        elsewhere = DeepseekMTP(target.config, target=shares, device="meta")
+        with pytest.raises(ConfigError, match=r"the draft has parameters on \['meta'\] and the target on cpu"):
+            EagleWorker(target, elsewhere, SpecConfig(num_steps=2, max_context_len=64))
     narrower = DeepseekMTP(tiny_config(hidden_size=32))
     with pytest.raises(ConfigError, match=r"hidden states \(64 wide\) but has hidden_size 32"):
         EagleWorker(target, narrower, SpecConfig(num_steps=2, max_context_len=64))
-    elsewhere = DeepseekMTP(target.config, device="meta")
-    with pytest.raises(ConfigError, match="the draft is on meta and the target on cpu; move the draft"):
-        EagleWorker(target, elsewhere, SpecConfig(num_steps=2, max_context_len=64))
+    EagleWorker(target, DeepseekMTP(target.config, target=target), SpecConfig(num_steps=2, max_context_len=64))
     standalone = StandaloneDraft(DeepseekV3ForCausalLM(target.config, dtype=torch.bfloat16))
     EagleWorker(target, standalone, SpecConfig(num_steps=2, draft_mode="standalone", max_context_len=64))
 
