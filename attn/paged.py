@@ -13,9 +13,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import (
-    KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange,
-)
+from attn.base import KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange
 from attn.workspace import get_workspace
 
 
@@ -286,24 +284,23 @@ class PagedMLABackend:
     ) -> torch.Tensor:
         """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
 
-        Default: the decode kernel over chunks of ``chunk`` (at most ``max_decode_q_len``) query
-        tokens per request. Chunk j (from the end) of a request of kv length L holds kv positions
-        ``[E - chunk, E)`` with E = max(L - j * chunk, chunk), and sees kv length E: right-aligned
-        at L, and the earliest chunk at position 0, so a chunk never sees fewer kv rows than its
-        query tokens (the decode kernels assume a kv row at every query position) nor more than
-        max(L, chunk) (within max_seq_len: so is chunk). A request shorter than a chunk
-        has its chunk see kv rows past L, hidden from its tokens by the causal mask but read by the
-        kernel: they must hold finite values (the pool is zero-initialised; a freed page keeps old
-        kv), as 0 x NaN in softmax x V is NaN. Each chunk gathers its ``[B,
-        chunk]`` cells from query (the new tokens at positions no later chunk holds) and scatters
-        its output back; the other cells are padding: they read token 0 and write a trash row, and
-        a chunk of them alone sees the first ``chunk`` kv rows, not a long cached prefix. O(B x
-        max_q_len) rows in all, no host sync.
+        Default: the decode kernel over chunks of ``chunk`` query tokens per request (at most
+        max_decode_q_len, max_q_len and max_seq_len). Chunk j (from the end) of a request of kv
+        length L holds kv positions ``[E - chunk, E)`` and sees kv length E, with E = max(L - j *
+        chunk, chunk): right-aligned at L, the earliest chunk at position 0. So no chunk sees fewer
+        kv rows than its query tokens (the decode kernels assume a kv row at every query position)
+        or more than max(L, chunk), within max_seq_len. Each chunk gathers its ``[B, chunk]`` cells
+        from query (the new tokens at positions no later chunk holds) and scatters its output back;
+        the other cells are padding: they read the last token and write a trash row, and a chunk of them
+        alone sees the first ``chunk`` kv rows, not a long cached prefix. A request shorter than a
+        chunk has its chunk read kv rows past L, hidden from its tokens by the causal mask: they
+        must hold finite values (KVCacheView), as 0 x NaN in softmax x V is NaN. O(B x max_q_len)
+        rows in all, no host sync.
         """
         num_tokens, heads = query.shape[:2]
         if num_tokens == 0:
             return query.new_empty(0, heads, KV_LORA_RANK)
-        # (max_q_len and max_seq_len are host bounds, which a request's q_len <= L stays within)
+        # (max_q_len and max_seq_len are host bounds: every request's q_len <= L lies within both)
         chunk = min(self.max_decode_q_len or max_q_len, max_q_len, max_seq_len)
         kv_len = seq_lens.long()
         starts, ends = cu_seqlens_q[:-1].long(), cu_seqlens_q[1:].long()
