@@ -36,7 +36,8 @@ class DraftModel(Protocol):
 def check_draft(draft: DraftModel, target: torch.nn.Module, config: SpecConfig) -> None:
     """ConfigError where ``draft`` cannot draft for ``target`` under ``config``: another vocabulary,
     topk past it, a hidden-state draft in standalone mode or of another hidden size or dtype than
-    the target (it reads the target's hidden states), or a draft module on another device."""
+    the target (it reads the target's hidden states), an ordinary LM in eagle mode, or a draft
+    module on another device."""
     if draft.vocab_size != target.config.vocab_size:
         raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens) must be the target's "
                           f"({target.config.vocab_size}): the draft proposes target token ids")
@@ -45,6 +46,9 @@ def check_draft(draft: DraftModel, target: torch.nn.Module, config: SpecConfig) 
     if config.draft_mode == "standalone" and draft.needs_hidden_in:
         raise ConfigError("draft_mode='standalone' gives the draft no hidden states, which this draft reads "
                           "(an EAGLE/MTP head); set draft_mode='eagle'")
+    if config.draft_mode == "eagle" and not draft.needs_hidden_in:
+        raise ConfigError("draft_mode='eagle' feeds the draft each token one position early, beside the target's "
+                          "hidden state, which this draft does not read (an ordinary LM); set draft_mode='standalone'")
     target_param = next(target.parameters())
     shared = {id(p) for p in target.parameters()}  # an MTP head's embedding and lm head may be the target's
     own = [p for p in draft.parameters() if id(p) not in shared] if isinstance(draft, torch.nn.Module) else []

@@ -134,12 +134,16 @@ def test_a_draft_of_another_vocabulary_is_refused_up_front(target, draft_vocab):
 def test_drafts_the_settings_cannot_drive_are_refused_up_front(target, mtp):
     """Both failed only at the first add_requests, in torch: a top-k past the vocabulary
     ("selected index k out of range"), and an MTP head run standalone, given no hidden states
-    (an AttributeError inside the head)."""
+    (an AttributeError inside the head). An ordinary LM in eagle mode ran, each token fed a
+    position early."""
     with pytest.raises(ConfigError, match="topk 97 exceeds the vocabulary \\(96 tokens\\); lower topk"):
         EagleWorker(target, mtp, SpecConfig(num_steps=1, topk=97, num_draft_tokens=98, max_context_len=256))
     with pytest.raises(ConfigError, match="draft_mode='standalone' gives the draft no hidden states.*set "
                                           "draft_mode='eagle'"):
         EagleWorker(target, mtp, SpecConfig(num_steps=2, draft_mode="standalone", max_context_len=64))
+    with pytest.raises(ConfigError, match="which this draft does not read \\(an ordinary LM\\); set "
+                                          "draft_mode='standalone'"):  # it ran, fed each token a position early
+        EagleWorker(target, StandaloneDraft(target), SpecConfig(num_steps=2, max_context_len=64))
 
 
 def test_a_hidden_state_draft_unlike_the_target_is_refused_up_front(target):
