@@ -39,6 +39,9 @@ def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int)
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
+# The eps of the latent norms (q_a_layernorm, kv_a_layernorm): fixed, not config.rms_norm_eps, in
+# DeepSeek's inference/model.py and transformers' DeepseekV3Attention alike (V3/R1 set 1e-6 anyway).
+LATENT_NORM_EPS = 1e-6
 
 
 def check_inputs(input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> None:
@@ -157,10 +160,10 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False, **fk)
         else:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False, **fk)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **fk)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, **fk)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **fk)
         self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, **fk)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, **fk)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, **fk)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **fk)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False, **fk)
 

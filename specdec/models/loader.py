@@ -39,7 +39,10 @@ def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = 
     config = DeepseekV3Config.from_json(os.path.join(path, "config.json"))
     index = _weight_index(path)
     model = DeepseekV3ForCausalLM(config, dtype, device)
-    _copy_weights(_own_tensors(model), [n for n in index if not _is_mtp_weight(n, config)], index, path)
+    names = [n for n in index if not _is_mtp_weight(n, config)]
+    if config.tie_word_embeddings:  # a copy of the tied head is redundant (transformers ties it too)
+        names = [n for n in names if n != "lm_head.weight"]
+    _copy_weights(_own_tensors(model), names, index, path)
     return model.eval()
 
 
