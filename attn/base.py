@@ -36,14 +36,24 @@ class ForwardMode(enum.Enum):
 _ARANGES: dict[tuple, torch.Tensor] = {}
 
 
-def positive_finite(value: object) -> bool:
-    """A finite real number > 0 (not a bool, nor a tensor: a scale a kernel takes as an argument)."""
+def is_int(value: object) -> bool:
+    """A Python int, not a bool (True reached kernels as a 1-bit argument, or as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def finite_real(value: object) -> bool:
+    """A finite real number (numpy's included), not a bool nor a tensor."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return False
     try:
-        return math.isfinite(value) and value > 0
+        return math.isfinite(value)
     except OverflowError:  # an int past fp64
         return False
+
+
+def positive_finite(value: object) -> bool:
+    """A finite real number > 0: a scale a kernel takes as an argument."""
+    return finite_real(value) and value > 0
 
 
 def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:

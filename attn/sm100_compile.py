@@ -43,6 +43,8 @@ from unittest import mock
 
 import torch
 
+from attn.base import is_int
+
 __all__ = [
     "B200",
     "DeviceDescription",
@@ -339,7 +341,7 @@ def _check_shape_args(
         ("num_heads", num_heads), ("q_len", q_len), ("page_size", page_size),
         ("batch_size", batch_size), ("max_seq_len", max_seq_len),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if kv_dtype not in SUPPORTED_KV_DTYPES:
         raise ValueError(

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from attn import triton_mla_wgmma
-from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM, positive_finite
+from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM, is_int, positive_finite
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
 from attn.triton_mla_plan import (
     MAX_SPLITS,
@@ -28,7 +28,6 @@ from attn.triton_mla_plan import (
     LaunchPlan,
     TileShape,
     discard_line_values,
-    is_int,
     launch_config,
     min_split_len,
     narrow_partials,

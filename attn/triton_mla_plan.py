@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from attn import triton_mla_wgmma
+from attn.base import is_int
 
 MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
 MAX_SPLITS = 128  # bounds the workspace and the reduce
@@ -152,11 +153,6 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
         config, slots, per_split, min_chunk, cap = waves(tile)
     num_splits = used_splits(max_kv_len, _whole_wave_splits(slots, per_split, cap), config.block_n, min_chunk)
     return LaunchPlan(tile, config, num_splits, num_splits > 1 and batch_size * max_kv_len >= DISCARD_MIN_TOKENS)
-
-
-def is_int(value: object) -> bool:
-    """A Python int, not a bool (True went to the kernel as a 1-bit argument, or as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_sizes(caller: str, batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int) -> None:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from attn.base import KV_LORA_RANK, QK_ROPE_DIM
+from attn.base import KV_LORA_RANK, QK_ROPE_DIM, finite_real, is_int, positive_finite
 
 _YARN_REQUIRED = ("factor", "original_max_position_embeddings")
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
@@ -117,7 +115,7 @@ class DeepseekV3Config:
     def _validate_types(self) -> None:
         """Each field of the type its annotation names (a JSON null, a string or a float where an int
         belongs failed later, in torch or in math, naming no field); ints pass for floats."""
-        checks = {"int": _is_int, "float": _is_real,
+        checks = {"int": is_int, "float": finite_real,
                   "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
                   "dict": lambda v: isinstance(v, dict)}
         for f in fields(self):
@@ -153,8 +151,8 @@ class DeepseekV3Config:
         missing = [k for k in _YARN_REQUIRED if k not in rs]
         _check(not missing, "rope_scaling", f"needs {missing}", rs)
         factor, original = rs["factor"], rs["original_max_position_embeddings"]
-        _check(_is_real(factor) and factor > 0, "rope_scaling", "needs a positive factor", rs)
-        _check(_is_int(original) and original > 0, "rope_scaling",
+        _check(positive_finite(factor), "rope_scaling", "needs a positive factor", rs)
+        _check(is_int(original) and original > 0, "rope_scaling",
                "needs a positive int original_max_position_embeddings", rs)
         # Optional. A null or 0 beta takes transformers' default (beta_fast 32, beta_slow 1); a null or
         # 0 mscale the plain YaRN factor, and mscale_all_dim no softmax scaling; an attention_factor
@@ -162,7 +160,7 @@ class DeepseekV3Config:
         # built, a string in arithmetic.
         for key in _YARN_OPTIONAL:
             value, positive = rs.get(key), key == "attention_factor"
-            _check(value is None or (_is_real(value) and (value > 0 if positive else value >= 0)), "rope_scaling",
+            _check(value is None or (finite_real(value) and (value > 0 if positive else value >= 0)), "rope_scaling",
                    f"needs {key} {'a positive' if positive else 'a non-negative'} number or null", rs)
         _check(rs.get("truncate") is None or isinstance(rs["truncate"], bool), "rope_scaling",
                "needs truncate a bool or null", rs)
@@ -195,14 +193,6 @@ class DeepseekV3Config:
         return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **d}
 
 
-def _is_int(value: Any) -> bool:
-    """An int, not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
