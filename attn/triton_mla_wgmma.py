@@ -539,7 +539,12 @@ def _mla_wgmma_kernel(
     fence_async_shared()  # the barriers, before the first TMA
     gl.thread_barrier()
     # Prefetching the four TMA descriptors here (prefetch.tensormap), ahead of the wait, changed
-    # nothing (H100: within 0.2 us on 14 latency-bound launches).
+    # nothing (H100: within 0.2 us on 14 latency-bound launches). Nor does the wait hide a prefetch
+    # of the first kv tiles and the query tile into L2 (cp.async.bulk.prefetch.L2, addresses from
+    # the metadata read ahead of the wait and read again after it): its dependent loads outlast the
+    # wait, and every launch ran slower (H200, one process: 1 x 16k x 16 heads 13.4 -> 15.3 us,
+    # 1 x 4k x 16 heads x q_len 4 10.5 -> 11.0, 128 x 1k x 16 heads x q_len 4 48.4 -> 50.5), though
+    # the first two took 10.8 and 9.3 us over a cache already in L2.
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
