@@ -134,6 +134,7 @@ except ImportError:  # CPU-only install, or a Triton without Gluon: the Triton t
 
 BLOCK_M = 64  # rows of one program: one wgmma M
 BLOCK_N = 64  # kv rows per tile; a page must hold whole tiles
+MIN_QUERY_BOX = 8  # rows of the smallest query box (one token's heads) the tile compiles for
 NUM_WARPS = 4  # the softmax warpgroup; the PV warpgroup is a 4-warp worker on top
 D_NOPE = 512
 D_PE = 64
@@ -149,13 +150,22 @@ _SCALE_PTX = _constexpr(f"mul.rn.f32 $0, $1, 0f{struct.unpack('<I', struct.pack(
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether this tile can serve a launch: Gluon present, an SM90 device, a cache in q's 16-bit
-    dtype or fp8 e4m3 whose pages hold whole kv tiles, and a cache and a query that flatten to
-    TMA-addressable [rows, 576] rows (_flat_rows)."""
+    """Whether this tile can serve a launch: Gluon present, an SM90 device, heads it serves
+    (serves_heads), a cache in q's 16-bit dtype or fp8 e4m3 whose pages hold whole kv tiles, and a
+    cache and a query that flatten to TMA-addressable [rows, 576] rows (_flat_rows)."""
     if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return (kv_cache.dtype in (q.dtype, torch.float8_e4m3fn) and kv_cache.shape[1] % BLOCK_N == 0
-            and _flat_rows(kv_cache) is not None and _flat_rows(q) is not None)
+    return (serves_heads(q.shape[1]) and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+            and kv_cache.shape[1] % BLOCK_N == 0 and _flat_rows(kv_cache) is not None and _flat_rows(q) is not None)
+
+
+def serves_heads(num_heads: int) -> bool:
+    """Whether a request's heads fill query boxes of at least MIN_QUERY_BOX rows. A box holds one
+    token's heads, min(next power of two, 64) of them (triton_mla_plan.tile_shape); below 8 rows
+    its shared-memory layout has no 128-byte swizzle, and the kernel over such boxes does not
+    compile (Triton 3.6, sm_90a: "PassManager::run failed" in ConvertTritonGPUToLLVM, for 1-4
+    heads), so the Triton tiles serve those launches."""
+    return num_heads > MIN_QUERY_BOX // 2
 
 
 def _flat_rows(x: torch.Tensor) -> torch.Tensor | None:

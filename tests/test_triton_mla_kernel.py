@@ -302,6 +302,18 @@ def test_verify_causal(num_heads, q_len):
     check(args, q, num_splits=1)
 
 
+@pytest.mark.parametrize("num_heads", [1, 4, 5, 8])
+@pytest.mark.parametrize("q_len", [1, 16])
+@gpu
+def test_few_heads_over_pages_of_whole_wgmma_tiles(num_heads, q_len):
+    """Up to 4 heads (a tensor-parallel shard of 32-128 heads) make query boxes the wgmma tile does
+    not compile for (serves_heads): over pages of 64 the Triton tiles serve them; 5-8 heads run the
+    wgmma tile. Each 64-row tile here: a widened decode, or 16 query tokens of a verify."""
+    args, q = make_inputs([q_len, 300, 2048], [q_len] * 3, num_heads, 64, "cuda")
+    check(args, q)
+    check(args, q, num_splits=1)
+
+
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("page_size", [1, 64])
 @gpu

@@ -70,6 +70,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     (128, 1, False, False, True),  # fp8 cache: decode
     (16, 4, True, True, True),  # fp8 cache: tree verify
     (16, 1, False, False, True),  # fp8 cache: widened decode, fp32 partials
+    (8, 1, False, False, False),  # the fewest heads it serves (serves_heads): query boxes of 8 rows
 ])
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct,
                                                                  kv_fp8):
@@ -91,6 +92,12 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_hea
     # A wgmma whose accumulator other instructions touch while it is in flight makes ptxas wait after
     # every wgmma of the kernel (C7514/C7515), which cost ~25% at 128 heads.
     assert "serialized" not in report, report
+
+
+def test_serves_heads_that_fill_query_boxes_of_eight_rows():
+    """A box is one token's heads, rounded up to a power of two: 5-8 heads make 8-row boxes."""
+    assert [h for h in range(1, 17) if triton_mla_wgmma.serves_heads(h)] == list(range(5, 17))
+    assert triton_mla_wgmma.serves_heads(128)
 
 
 def test_not_used_off_sm90_or_for_caches_it_cannot_address():
