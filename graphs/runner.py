@@ -40,6 +40,7 @@ import torch
 
 from graphs.joined import JoinedGraph
 from specdec.config import int_list
+from specdec.device import on_device
 from specdec.kv import PADDING_ROW
 from specdec.tree import VerifyTree
 from specdec.verify import AcceptResult
@@ -119,8 +120,11 @@ class GraphRunner:
         # The captures' warm-ups run the verify stage, whose copy to the host the step in flight awaits.
         worker.check_idle("GraphRunner")
         self.worker = weakref.proxy(worker)
+        self.device = worker.device
         cfg = worker.config
         sizes = [] if batch_sizes is None else int_list(batch_sizes, "batch_sizes must be a list of ints")
+        if batch_sizes is not None and not sizes:
+            raise ValueError("batch_sizes is empty: give at least one bucket, or None for the defaults")
         self.buckets = sorted(set(sizes or cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_batch_size)))
         if self.buckets[0] < 1 or self.buckets[-1] > cfg.max_batch_size:
             raise ValueError(f"CUDA-graph batch sizes must lie in [1, max_batch_size={cfg.max_batch_size}], got {self.buckets}")
@@ -176,6 +180,7 @@ class GraphRunner:
 
         return dict(zip(GRAPH_KINDS, (draft, verify, draft_extend))), out
 
+    @on_device  # captures, their warm-ups and the graphs' launches take the current device
     @torch.inference_mode()
     def _capture_all(self, progress: bool) -> float:
         gc.collect()  # garbage holding graphs or pinned memory must not be freed mid-capture
@@ -192,7 +197,7 @@ class GraphRunner:
                 self.captured[bs, bound] = self._capture(bs, stream)
         finally:
             self.worker.kv_len_bound = None
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
         if progress:
             print(file=sys.stderr)
         return time.perf_counter() - start
@@ -204,17 +209,17 @@ class GraphRunner:
         stages, outputs = self._stages(inputs)
         if self.host_planned:
             self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             for body in stages.values():
                 body()
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
         graphs = {}
         for kind, body in stages.items():  # the stages' outputs stay referenced: later graphs read them
             graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)
             with torch.cuda.graph(graphs[kind], pool=self.pool, stream=stream):
                 body()
-        return _Captured(graphs, JoinedGraph(list(graphs.values())), outputs)
+        return _Captured(graphs, JoinedGraph(list(graphs.values()), self.worker.device), outputs)
 
     def kv_bound(self, bucket: int) -> Optional[int]:
         """The kv bound whose graphs serve the running batch in ``bucket``: the smallest that holds

@@ -100,8 +100,10 @@ class MLAKVPool:
 
     def ensure_capacity_many(self, rows: list[int], num_tokens: list[int]) -> None:
         """``ensure_capacity`` for several requests at once, with one req_to_token write; all or
-        nothing over the whole list."""
+        nothing over the whole list, whose rows must be distinct."""
         ps, need = self.page_size, []
+        if len(set(rows)) != len(rows):  # each entry's pages are counted from the row's own
+            raise ValueError(f"ensure_capacity_many: rows repeat ({rows}); give each row once, with its largest count")
         for row, n in zip(rows, num_tokens):
             req = self._request(row)
             if n > self.max_context_len:
@@ -125,6 +127,8 @@ class MLAKVPool:
         Their positions point at page 0 again, so that a stray write through them cannot reach
         the pages' next owner."""
         req = self._request(row)
+        if num_tokens < 0:
+            raise ValueError(f"trim: num_tokens must be >= 0, got {num_tokens}")
         keep = self.pages_for(num_tokens)
         if len(req.pages) <= keep:
             return

@@ -23,6 +23,7 @@ from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_pass, host_to_device, prefill_cap, prefill_pieces, uniform_batch
 from specdec.config import ConfigError, SpecConfig, require_int
+from specdec.device import on_device
 from specdec.draft import DraftModel, check_draft
 from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
@@ -93,6 +94,7 @@ class EagleWorker:
         self._in_flight: Optional[AcceptResult] = None  # launch_step's result until finish_step takes it
 
     # ------------------------------------------------------------ admission
+    @on_device
     @torch.inference_mode()
     def add_requests(
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
@@ -274,6 +276,7 @@ class EagleWorker:
         """One spec-decode iteration over every running request; finished requests leave."""
         return self.finish_step(self.launch_step())
 
+    @on_device
     @torch.inference_mode()
     def launch_step(self) -> AcceptResult:
         """Reserve pages and enqueue the step's device work (graph replay or eager); no host sync."""
@@ -297,6 +300,7 @@ class EagleWorker:
         if self._in_flight is not None:
             raise RuntimeError(f"{call} while a step is in flight: finish_step(result of launch_step) first")
 
+    @on_device
     @torch.inference_mode()
     def abort(self, requests: list[Request]) -> None:
         """Stop running ``requests`` now (e.g. to free pages for others): they leave the batch as
@@ -577,6 +581,7 @@ class EagleWorker:
             return None
         return st.temperature if repeat == 1 else st.temperature.repeat_interleave(repeat)
 
+    @on_device
     def finish_step(self, result: AcceptResult) -> StepStats:
         """Wait for the step's copy to the host (enqueued by launch_step, of ``result`` and its
         stops); then the host bookkeeping, and finished requests leave."""

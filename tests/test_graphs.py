@@ -256,6 +256,8 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
     with pytest.raises(RuntimeError, match="GraphRunner while a step is in flight"):
         GraphRunner(worker, [1, 2, 4], progress=False)
     worker.finish_step(in_flight)
+    with pytest.raises(ValueError, match="batch_sizes is empty"):  # it fell back to the default buckets
+        GraphRunner(worker, [], progress=False)
     runner = GraphRunner(worker, np.array([1, 2, 4]), progress=False)
     assert runner.buckets == [1, 2, 4] and all(type(b) is int for b in runner.buckets)
     first = worker.launch_step()
@@ -278,6 +280,35 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
     groups = [(prompts(3, seed=6), 20)]
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_steps_from_a_thread_that_has_done_no_gpu_work(graphs):
+    """An engine's scheduler thread: in a step of an unchanged batch the joined graph's launch is
+    the thread's first GPU work, a driver call that found no current context (CUresult 201)."""
+    import threading
+
+    target, worker = gpu_worker("triton_mla")
+    if graphs:
+        GraphRunner(worker, [1, 2, 4], progress=False)
+    group = prompts(3, seed=3)
+    reqs = worker.add_requests(group, 24)
+    worker.step()
+    errors = []
+
+    def drive() -> None:
+        try:
+            while worker.requests:
+                worker.step()
+        except Exception as error:  # reported below: pytest does not see a thread's exceptions
+            errors.append(error)
+
+    thread = threading.Thread(target=drive)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert [r.output for r in reqs] == reference(target, [(group, 24)], backend="triton_mla", kv_dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -73,6 +73,21 @@ def test_growing_many_rows_is_one_all_or_nothing_write():
     assert pool.capacity[a] == 4 and pool.num_free_pages == 3
 
 
+def test_repeated_rows_and_negative_trims_are_refused_unchanged():
+    """From a review: a row listed twice got pages for both entries, written past its own
+    req_to_token row into the next request's; trim(row, -1) freed every page."""
+    pool = make_pool(num_pages=9)
+    a, b = pool.alloc_request(), pool.alloc_request()
+    pool.ensure_capacity(b, 8)
+    before = pool.req_to_token.clone()
+    with pytest.raises(ValueError, match="rows repeat"):
+        pool.ensure_capacity_many([a, a], [16, 16])
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        pool.trim(b, -1)
+    assert torch.equal(pool.req_to_token, before) and pool.capacity[a] == 0 and pool.capacity[b] == 8
+    assert pool.num_free_pages == 6
+
+
 def test_grow_takes_pages_ahead_up_to_the_most_a_request_needs_and_gives_them_back():
     pool = make_pool(num_pages=8)  # 7 usable pages of 4
     a, b = pool.alloc_request(), pool.alloc_request()
