@@ -22,6 +22,12 @@ def free_pages(worker) -> tuple[int, int]:
     return worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
 
 
+def padding_pages_untouched(worker) -> bool:
+    """Whether no write reached either pool's padding page (page 0): one row past a request's
+    pages lands there, where it changes no output."""
+    return not any(cache[0].any() for pool in (worker.target_pool, worker.draft_pool) for cache in pool.kv_buffers)
+
+
 def drain(worker) -> None:
     """Step until every request has finished."""
     while worker.requests:
@@ -320,7 +326,7 @@ def test_trees_smaller_than_their_depth_commit_only_inside_their_pages():
     groups = [([[7], prompts(1, seed=5)[0]], 12)]  # [7] reuses the first request's row with one page
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups)
-    assert not worker.target_pool.kv_buffers[0][0].any()  # nothing went to the padding page either
+    assert padding_pages_untouched(worker)
 
 
 def test_grow_ahead_pages_come_back_before_a_step_runs_out():
@@ -336,6 +342,7 @@ def test_grow_ahead_pages_come_back_before_a_step_runs_out():
         worker.step()
     late, = worker.add_requests([[1, 2, 3, 4, 5, 6, 7]], 6)
     drain(worker)
+    assert padding_pages_untouched(worker)
     assert early.output == greedy_generate(target, [[1, 2, 3]], 20)[0]
     assert late.output == greedy_generate(target, [[1, 2, 3, 4, 5, 6, 7]], 6)[0]
 
@@ -374,6 +381,26 @@ def test_admission_takes_back_grow_ahead_pages(target, mtp):
     assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
     assert late.output == greedy_generate(target, [late_prompt], 2)[0]
     assert free_pages(worker) == (11, 11)
+    assert padding_pages_untouched(worker)
+
+
+def test_standalone_admission_counts_the_draft_pools_extra_position(target):
+    """A standalone draft's pool holds one position more than the target's (the first output): an
+    admission that fits the target's pages but not the draft's is refused and takes no grow-ahead
+    page back (it took them back, then failed)."""
+    cfg = SpecConfig(num_steps=1, topk=1, draft_mode="standalone", page_size=4, max_batch_size=2, max_context_len=64,
+                     num_pages=12)
+    worker = EagleWorker(target, StandaloneDraft(target), cfg)
+    early, = worker.add_requests([[1, 2, 3]], 30)
+    for _ in range(2):
+        worker.step()
+    assert free_pages(worker) == (7, 7)  # and one page ahead a pool
+    with pytest.raises(OutOfPagesError):
+        worker.add_requests([list(range(1, 33))], 2)  # 8 target pages, 9 draft pages
+    assert free_pages(worker) == (7, 7)  # the refused call took no page back
+    drain(worker)
+    assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
+    assert free_pages(worker) == (11, 11) and padding_pages_untouched(worker)
 
 
 def cached(pool, row: int, n: int) -> torch.Tensor:
@@ -500,6 +527,7 @@ def test_a_request_that_fills_its_context_exactly_runs_to_the_end(target, mtp, m
     assert max(seen) == len(prompt) + max_new - 2
     assert max(kv_ends) == cfg.max_context_len
     assert req.output == greedy_generate(target, [prompt], max_new)[0]
+    assert padding_pages_untouched(worker)
 
 
 def test_kv_scale_reaches_both_pools_of_an_fp8_cache(target):
