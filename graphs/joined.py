@@ -114,12 +114,17 @@ class JoinedGraph:
         cu = _CUDA
         if cu is None or not self._ctx.value:
             return
-        pushed = self._make_current()  # destruction may run on any thread (garbage collection)
         try:
-            if self._exec.value:
-                cu.cuGraphExecDestroy(self._exec)
-            if self._graph.value:
-                cu.cuGraphDestroy(self._graph)
+            try:
+                pushed = self._make_current()  # destruction may run on any thread (garbage collection)
+            except RuntimeError:  # a driver shutting down: nothing left to destroy in
+                return
+            try:
+                if self._exec.value:
+                    cu.cuGraphExecDestroy(self._exec)
+                if self._graph.value:
+                    cu.cuGraphDestroy(self._graph)
+            finally:
+                self._restore(pushed)
         finally:
-            self._restore(pushed)
             cu.cuDevicePrimaryCtxRelease_v2(self._cu_device)

@@ -219,7 +219,7 @@ class GraphRunner:
             graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)
             with torch.cuda.graph(graphs[kind], pool=self.pool, stream=stream):
                 body()
-        return _Captured(graphs, JoinedGraph(list(graphs.values()), self.worker.device), outputs)
+        return _Captured(graphs, JoinedGraph(list(graphs.values()), self.device), outputs)
 
     def kv_bound(self, bucket: int) -> Optional[int]:
         """The kv bound whose graphs serve the running batch in ``bucket``: the smallest that holds

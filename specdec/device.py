@@ -10,7 +10,7 @@ wrong GPU; its entry points therefore make its device current for the call.
 from __future__ import annotations
 
 import functools
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -22,7 +22,7 @@ def on_device(method: Method) -> Method:
     (a CUDA device; others run as they are)."""
 
     @functools.wraps(method)
-    def run(self, *args, **kwargs):
+    def run(self, *args: Any, **kwargs: Any) -> Any:
         if self.device.type != "cuda":
             return method(self, *args, **kwargs)
         with torch.cuda.device(self.device):

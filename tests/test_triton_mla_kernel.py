@@ -307,9 +307,14 @@ def test_verify_causal(num_heads, q_len):
 @gpu
 def test_few_heads_over_pages_of_whole_wgmma_tiles(num_heads, q_len):
     """Up to 4 heads (a tensor-parallel shard of 32-128 heads) make query boxes the wgmma tile does
-    not compile for (serves_heads): over pages of 64 the Triton tiles serve them; 5-8 heads run the
-    wgmma tile. Each 64-row tile here: a widened decode, or 16 query tokens of a verify."""
+    not compile for (serves_heads): over pages of 64 the Triton tiles serve them (4 heads x 16
+    query tokens, a 64-row tile, raised); on SM90 5-8 heads x 16 run the wgmma tile. Decodes (q_len
+    1) plan 16-row tiles here."""
     args, q = make_inputs([q_len, 300, 2048], [q_len] * 3, num_heads, 64, "cuda")
+    plan, config = plan_for(args["q"], args["kv_cache"], args["block_tables"], q)
+    sm90 = torch.cuda.get_device_capability()[0] == 9
+    assert config.wgmma == (sm90 and num_heads >= 5 and plan.tile.rows == 64)
+    assert (plan.tile.rows == 64) == (q_len == 16 and num_heads >= 4)
     check(args, q)
     check(args, q, num_splits=1)
 

@@ -71,6 +71,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     (16, 4, True, True, True),  # fp8 cache: tree verify
     (16, 1, False, False, True),  # fp8 cache: widened decode, fp32 partials
     (8, 1, False, False, False),  # the fewest heads it serves (serves_heads): query boxes of 8 rows
+    (8, 4, True, True, True),  # and their tree verify over an fp8 cache
 ])
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct,
                                                                  kv_fp8):

@@ -583,3 +583,37 @@ def test_the_worker_keeps_its_own_config(target, mtp):
     req, = worker.add_requests(group, 50)
     drain(worker)
     assert req.output == greedy_generate(target, group, 50)[0]
+
+
+def test_worker_calls_run_with_the_workers_device_current(monkeypatch):
+    """specdec.device.on_device: a call makes the object's CUDA device current for its length
+    (Triton launches, event records and graph captures take the current device) and leaves a CPU
+    one alone; the worker's entry points carry it."""
+    from specdec import device as device_module
+
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    class Holder:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        @device_module.on_device
+        def call(self, x):
+            entered.append(("ran", x))
+            return x + 1
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    assert Holder("cuda:1").call(1) == 2 and Holder("cpu").call(5) == 6
+    assert entered == [torch.device("cuda:1"), ("ran", 1), "exit", ("ran", 5)]
+    wrapper = device_module.on_device(lambda self: None).__code__
+    assert all(getattr(EagleWorker, name).__code__ is wrapper for name in ("add_requests", "launch_step", "finish_step", "abort"))
