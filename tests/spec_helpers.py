@@ -53,6 +53,17 @@ def run_to_completion(worker: EagleWorker, groups: list[tuple[list[list[int]], i
     return [r.output for r in reqs], accept
 
 
+def free_pages(worker) -> tuple[int, int]:
+    """Free pages of the target and the draft pool."""
+    return worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
+
+
+def drain(worker) -> None:
+    """Step until every request has finished."""
+    while worker.requests:
+        worker.step()
+
+
 def reference(target, groups, **kwargs) -> list[list[int]]:
     """Target-only greedy outputs of every group, in order."""
     out = []

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from attn.paged import PagedMLABackend
 from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
@@ -14,24 +13,7 @@ from specdec.kv import OutOfPagesError
 from specdec.models import DeepseekMTP, DeepseekV3ForCausalLM
 from specdec.sampling import SamplingParams
 from specdec.worker import EagleWorker
-from spec_helpers import VOCAB, prompts, reference, run_to_completion, tiny_config
-
-
-def free_pages(worker) -> tuple[int, int]:
-    """Free pages of the target and the draft pool."""
-    return worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
-
-
-def padding_pages_untouched(worker) -> bool:
-    """Whether no write reached either pool's padding page (page 0): one row past a request's
-    pages lands there, where it changes no output."""
-    return not any(cache[0].any() for pool in (worker.target_pool, worker.draft_pool) for cache in pool.kv_buffers)
-
-
-def drain(worker) -> None:
-    """Step until every request has finished."""
-    while worker.requests:
-        worker.step()
+from spec_helpers import VOCAB, drain, free_pages, prompts, reference, run_to_completion, tiny_config
 
 
 @pytest.mark.parametrize("topk,num_steps,ndt", [(1, 1, 2), (1, 3, 4), (1, 5, 6), (2, 3, 6), (4, 2, 8), (3, 4, 10)])
@@ -312,97 +294,6 @@ def test_lossless_when_the_target_ties_its_top_logits(enable_sampling):
     assert all(token < VOCAB // 2 for output in outputs for token in output)
 
 
-def test_trees_smaller_than_their_depth_commit_only_inside_their_pages():
-    """topk 2, num_steps 5, num_draft_tokens 3: the accepted path is at most 2 tokens past N, and
-    commit_kv must not copy the path's padding columns to N + 3..N + 5, past the request's pages.
-    A reused row's stale positions pointed there at pages another running request now held."""
-    from spec_helpers import make_models
-
-    target, mtp = make_models()
-    cfg = SpecConfig(num_steps=5, topk=2, num_draft_tokens=3, page_size=4, max_batch_size=2, max_context_len=64)
-    worker = EagleWorker(target, mtp, cfg)
-    first = prompts(1, seed=1)[0][:12]
-    run_to_completion(worker, [([first], 3)])
-    groups = [([[7], prompts(1, seed=5)[0]], 12)]  # [7] reuses the first request's row with one page
-    outputs, _ = run_to_completion(worker, groups)
-    assert outputs == reference(target, groups)
-    assert padding_pages_untouched(worker)
-
-
-def test_grow_ahead_pages_come_back_before_a_step_runs_out():
-    """A request that grew while pages were free holds some past its need; another request's
-    step takes them back rather than raising OutOfPagesError."""
-    from spec_helpers import make_models
-
-    target, mtp = make_models()
-    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=8)
-    worker = EagleWorker(target, mtp, cfg)
-    early, = worker.add_requests([[1, 2, 3]], 20)
-    for _ in range(3):
-        worker.step()
-    late, = worker.add_requests([[1, 2, 3, 4, 5, 6, 7]], 6)
-    drain(worker)
-    assert padding_pages_untouched(worker)
-    assert early.output == greedy_generate(target, [[1, 2, 3]], 20)[0]
-    assert late.output == greedy_generate(target, [[1, 2, 3, 4, 5, 6, 7]], 6)[0]
-
-
-def test_grow_ahead_stops_at_a_requests_last_step(target, mtp):
-    """A request grows ahead only as far as its last possible step needs: 3 prompt tokens and 4
-    new ones never need more than 2 pages of 4 (it held 4, and a request that fitted beside its 2
-    was refused with OutOfPagesError)."""
-    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=10)
-    worker = EagleWorker(target, mtp, cfg)
-    short, = worker.add_requests([[1, 2, 3]], 4)
-    worker.step()
-    assert free_pages(worker) == (7, 7)  # 9 pages a pool; the request's last step needs 2
-    long_prompt = list(range(1, 25))  # 7 pages a pool at most, beside the 2
-    long, = worker.add_requests([long_prompt], 2)
-    drain(worker)
-    assert short.output == greedy_generate(target, [[1, 2, 3]], 4)[0]
-    assert long.output == greedy_generate(target, [long_prompt], 2)[0]
-    assert free_pages(worker) == (9, 9)
-
-
-def test_admission_takes_back_grow_ahead_pages(target, mtp):
-    """A new request that fits once the running ones hand back the pages they took ahead of their
-    next step is admitted (it was refused with OutOfPagesError), and both decode as target-only
-    decoding does."""
-    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=12)
-    worker = EagleWorker(target, mtp, cfg)
-    early, = worker.add_requests([[1, 2, 3]], 30)
-    for _ in range(2):
-        worker.step()
-    assert free_pages(worker) == (7, 7)  # 11 pages a pool: 2 for the next step, 2 ahead
-    late_prompt = list(range(1, 33))  # 8 pages a pool
-    late, = worker.add_requests([late_prompt], 2)
-    assert free_pages(worker) == (1, 1)
-    drain(worker)
-    assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
-    assert late.output == greedy_generate(target, [late_prompt], 2)[0]
-    assert free_pages(worker) == (11, 11)
-    assert padding_pages_untouched(worker)
-
-
-def test_standalone_admission_counts_the_draft_pools_extra_position(target):
-    """A standalone draft's pool holds one position more than the target's (the first output): an
-    admission that fits the target's pages but not the draft's is refused and takes no grow-ahead
-    page back (it took them back, then failed)."""
-    cfg = SpecConfig(num_steps=1, topk=1, draft_mode="standalone", page_size=4, max_batch_size=2, max_context_len=64,
-                     num_pages=12)
-    worker = EagleWorker(target, StandaloneDraft(target), cfg)
-    early, = worker.add_requests([[1, 2, 3]], 30)
-    for _ in range(2):
-        worker.step()
-    assert free_pages(worker) == (7, 7)  # and one page ahead a pool
-    with pytest.raises(OutOfPagesError):
-        worker.add_requests([list(range(1, 33))], 2)  # 8 target pages, 9 draft pages
-    assert free_pages(worker) == (7, 7)  # the refused call took no page back
-    drain(worker)
-    assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
-    assert free_pages(worker) == (11, 11) and padding_pages_untouched(worker)
-
-
 def cached(pool, row: int, n: int) -> torch.Tensor:
     """``[layers, n, 576]``: the pool's kv of positions [0, n) of req_to_token row ``row``."""
     loc = pool.req_to_token[row, :n].long()
@@ -496,40 +387,6 @@ def test_target_only_prefill_in_passes_matches_one_pass(target, monkeypatch):
     assert greedy_generate(target, group, 6) == whole
 
 
-@pytest.mark.parametrize("draft_mode,topk,num_steps,ndt", [
-    ("eagle", 1, 3, None), ("eagle", 2, 3, 6), ("eagle", 4, 3, 5), ("standalone", 1, 3, None), ("standalone", 4, 3, 5),
-])
-def test_a_request_that_fills_its_context_exactly_runs_to_the_end(target, mtp, monkeypatch, draft_mode, topk, num_steps,
-                                                                  ndt):
-    """A prompt of max_context_len - max_new_tokens - spec_headroom tokens is admitted, its last
-    step runs at N = prompt + max_new_tokens - 2 and some pass attends to the whole context, every
-    write inside it (the pools refuse more: the headroom is neither short nor long), and it decodes
-    the greedy tokens; one token more is refused."""
-    draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
-    cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, draft_mode=draft_mode, max_batch_size=1,
-                     max_context_len=64)
-    worker = EagleWorker(target, draft, cfg)
-    max_new = 14  # the identity draft advances 4 a step: from the prompt, N reaches prompt + 12
-    prompt = prompts(1, seed=11)[0] * 8
-    prompt = prompt[:64 - max_new - cfg.spec_headroom]
-    with pytest.raises(ValueError, match="exceed max_context_len"):
-        worker.add_requests([prompt + [1]], max_new)
-    kv_ends = []  # every pass's longest kv (its new tokens included), target and draft alike
-    init = PagedMLABackend.init_forward_metadata
-    monkeypatch.setattr(PagedMLABackend, "init_forward_metadata",
-                        lambda self, batch, *args, **kwargs: kv_ends.append(int(batch.seq_lens.max()))
-                        or init(self, batch, *args, **kwargs))
-    req, = worker.add_requests([prompt], max_new)
-    seen = []
-    while worker.requests:
-        seen.append(req.seq_len)
-        worker.step()
-    assert max(seen) == len(prompt) + max_new - 2
-    assert max(kv_ends) == cfg.max_context_len
-    assert req.output == greedy_generate(target, [prompt], max_new)[0]
-    assert padding_pages_untouched(worker)
-
-
 def test_kv_scale_reaches_both_pools_of_an_fp8_cache(target):
     """SpecConfig.kv_scale: an fp8_e4m3 cache stores kv / kv_scale, in the target's pool and the
     draft's. A layer's first kv input does not depend on attention, so the first layer's rows of
@@ -552,23 +409,6 @@ def test_kv_scale_reaches_both_pools_of_an_fp8_cache(target):
             SpecConfig(kv_dtype="fp8_e4m3", kv_scale=bad)
     with pytest.raises(ConfigError, match="scales an fp8_e4m3 cache only"):
         SpecConfig(kv_dtype="bf16", kv_scale=2.0)
-
-
-@pytest.mark.parametrize("draft_mode", ["eagle", "standalone"])
-def test_a_request_of_one_new_token_needs_only_its_prompt(target, mtp, draft_mode):
-    """max_new_tokens=1 ends at the prefill: no spec headroom. An EAGLE draft admits a prompt of
-    max_context_len tokens; a standalone draft, whose pool also holds the first output, one less."""
-    draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
-    worker = EagleWorker(target, draft, SpecConfig(num_steps=2, draft_mode=draft_mode, max_batch_size=2, max_context_len=64))
-    longest = 64 - (draft_mode == "standalone")
-    prompt = (prompts(1, seed=13)[0] * 8)[:longest]
-    with pytest.raises(ValueError, match="exceed max_context_len 64"):
-        worker.add_requests([prompt + [1]], 1)
-    with pytest.raises(ValueError, match="spec headroom exceed"):
-        worker.add_requests([prompt], 2)
-    req, = worker.add_requests([prompt], 1)
-    assert req.finished and req.output == greedy_generate(target, [prompt], 1)[0]
-    assert free_pages(worker) == (worker.config.pool_pages - 1,) * 2
 
 
 def test_the_worker_keeps_its_own_config(target, mtp):
