@@ -197,7 +197,7 @@ class GraphRunner:
                 self.captured[bs, bound] = self._capture(bs, stream)
         finally:
             self.worker.kv_len_bound = None
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize()
         if progress:
             print(file=sys.stderr)
         return time.perf_counter() - start
@@ -209,11 +209,11 @@ class GraphRunner:
         stages, outputs = self._stages(inputs)
         if self.host_planned:
             self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for body in stages.values():
                 body()
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(stream)
         graphs = {}
         for kind, body in stages.items():  # the stages' outputs stay referenced: later graphs read them
             graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)

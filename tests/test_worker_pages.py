@@ -12,7 +12,7 @@ from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.kv import OutOfPagesError
 from specdec.worker import EagleWorker
-from spec_helpers import drain, free_pages, prompts, reference, run_to_completion
+from spec_helpers import drain, free_pages, make_models, prompts, reference, run_to_completion
 
 
 def padding_pages_untouched(worker) -> bool:
@@ -25,8 +25,6 @@ def test_trees_smaller_than_their_depth_commit_only_inside_their_pages():
     """topk 2, num_steps 5, num_draft_tokens 3: the accepted path is at most 2 tokens past N, and
     commit_kv must not copy the path's padding columns to N + 3..N + 5, past the request's pages.
     A reused row's stale positions pointed there at pages another running request now held."""
-    from spec_helpers import make_models
-
     target, mtp = make_models()
     cfg = SpecConfig(num_steps=5, topk=2, num_draft_tokens=3, page_size=4, max_batch_size=2, max_context_len=64)
     worker = EagleWorker(target, mtp, cfg)
@@ -41,8 +39,6 @@ def test_trees_smaller_than_their_depth_commit_only_inside_their_pages():
 def test_grow_ahead_pages_come_back_before_a_step_runs_out():
     """A request that grew while pages were free holds some past its need; another request's
     step takes them back rather than raising OutOfPagesError."""
-    from spec_helpers import make_models
-
     target, mtp = make_models()
     cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=8)
     worker = EagleWorker(target, mtp, cfg)
