@@ -22,6 +22,7 @@ import torch
 from attn import triton_mla_wgmma
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM, is_int, positive_finite
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
+from attn.triton_mla_tma import row_descriptors
 from attn.triton_mla_plan import (
     MAX_SPLITS,
     KernelConfig,
@@ -493,8 +494,8 @@ def _launch(
                      MIN_CHUNK=min_chunk, HAS_MASK=has_mask, DIRECT=direct, PDL=pdl)
     row_blocks = num_row_blocks(num_heads, max_q_len, tile)
     if config.wgmma:
-        q_descs = triton_mla_wgmma.row_descriptors(q, tile.block_h)
-        kv_descs = triton_mla_wgmma.row_descriptors(kv_cache, config.block_n)
+        q_descs = row_descriptors(q, triton_mla_wgmma.query_box_rows(tile.block_h))
+        kv_descs = row_descriptors(kv_cache, config.block_n)
         triton_mla_wgmma._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
             *q_descs, *kv_descs, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
             block_tables.stride(0), *scalars,

@@ -8,7 +8,8 @@ Triton's own lowering of that tile keeps the query in registers next to the [64,
 accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
 
 - the query tile ([64, 512] + [64, 64] bf16) arrives by TMA, a box of one token's heads per query
-  token (``q_ready``), and sits in shared memory for the whole program;
+  token, or with 1, 2 or 4 heads of several tokens' (query_box_rows) (``q_ready``), and sits in
+  shared memory for the whole program;
 - kv tiles ([64, 512] + [64, 64] bf16) arrive by TMA into NUM_STAGES stages (two of 72 KB);
 - warpgroup 0 (``_softmax_partition``) computes the whole [64, 64] QK^T of a tile, the online
   softmax, and PV for output dims 0-255; warpgroup 1 (``_pv_partition``) computes PV for dims
@@ -117,6 +118,7 @@ import struct
 import torch
 
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
+from attn.triton_mla_tma import flat_rows
 
 try:
     from triton.experimental import gluon
@@ -128,7 +130,6 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # CPU-only install, or a Triton without Gluon: the Triton tile serves instead
     gluon = None
 
@@ -152,44 +153,32 @@ _SCALE_PTX = _constexpr(f"mul.rn.f32 $0, $1, 0f{struct.unpack('<I', struct.pack(
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether this tile can serve a launch: Gluon present, an SM90 device, heads it serves
     (serves_heads), a cache in q's 16-bit dtype or fp8 e4m3 whose pages hold whole kv tiles, and a
-    cache and a query that flatten to TMA-addressable [rows, 576] rows (_flat_rows)."""
+    cache and a query that flatten to TMA-addressable [rows, 576] rows (flat_rows)."""
     if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     return (serves_heads(q.shape[1]) and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
-            and kv_cache.shape[1] % BLOCK_N == 0 and _flat_rows(kv_cache) is not None and _flat_rows(q) is not None)
+            and kv_cache.shape[1] % BLOCK_N == 0 and flat_rows(kv_cache) is not None and flat_rows(q) is not None)
 
 
 def serves_heads(num_heads: int) -> bool:
-    """Whether a request's heads fill query boxes of at least MIN_QUERY_BOX rows. A box holds one
-    token's heads, min(next power of two, 64) of them (triton_mla_plan.tile_shape); below 8 rows
-    its shared-memory layout has no 128-byte swizzle, and the kernel over such boxes does not
-    compile (Triton 3.6, sm_90a: "PassManager::run failed" in ConvertTritonGPUToLLVM, for 1-4
-    heads), so the Triton tiles serve those launches."""
-    return num_heads > MIN_QUERY_BOX // 2
+    """Whether a request's heads fill query boxes of at least MIN_QUERY_BOX rows (query_box_rows):
+    below 8 rows a box's shared-memory layout has no 128-byte swizzle, and the kernel over such
+    boxes does not compile (Triton 3.6, sm_90a: "PassManager::run failed" in
+    ConvertTritonGPUToLLVM). 1, 2 or 4 heads fill one with several tokens' heads; 3 heads cannot
+    (a token's heads are a 4-row box with one row of the next token), so the Triton tiles serve
+    them."""
+    return num_heads > MIN_QUERY_BOX // 2 or num_heads in (1, 2, 4)
 
 
-def _flat_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """[n, m, 576] x as its [n * m, 576] rows, where TMA can address them: evenly strided (the
-    outer stride m times the inner one, or one outer index), 16-byte aligned, under 2**31 rows."""
-    n, m, width = x.shape
-    if ((n > 1 and x.stride(0) != m * x.stride(1)) or (x.stride(1) * x.element_size()) % 16
-            or x.data_ptr() % 16 or n * m >= 2**31):
-        return None
-    return x.as_strided((n * m, width), (x.stride(1), 1))
-
-
-def row_descriptors(x: torch.Tensor, box_rows: int) -> tuple:
-    """TMA descriptors of the latent ([rows, 512]) and rope ([rows, 64]) parts of an [n, m, 576]
-    tensor's flat rows (a cache [num_pages, page_size, 576]: row page * page_size + offset; a query
-    [T, H, 576]: row token * H + head) that ``supports`` accepts, box_rows rows a box."""
-    flat = _flat_rows(x)
-    rows = flat.shape[0]
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[flat.dtype]
-    nope_layout = gl.NVMMASharedLayout.get_default_for([box_rows, D_NOPE], dtype)
-    pe_layout = gl.NVMMASharedLayout.get_default_for([box_rows, D_PE], dtype)
-    nope = TensorDescriptor(flat, [rows, D_NOPE], [flat.stride(0), 1], [box_rows, D_NOPE], nope_layout)
-    pe = TensorDescriptor(flat[:, D_NOPE:], [rows, D_PE], [flat.stride(0), 1], [box_rows, D_PE], pe_layout)
-    return nope, pe
+def query_box_rows(block_h: int) -> int:
+    """Rows of one TMA box of a query tile whose tokens hold ``block_h`` heads each: one token's
+    heads, or (fewer than MIN_QUERY_BOX heads, all of a request's: serves_heads) the heads of
+    MIN_QUERY_BOX // block_h consecutive tokens, which are consecutive rows of the flat query.
+    Against the Triton tiles that served 1-4 heads before (H100, graphs, one process): 4 heads x
+    q_len 16 1.33-1.67x (8 x 16k 103.5 -> 62.1 us, 128 x 16k 1127 -> 802), x q_len 1 and 4 (tiles
+    widened to 64 rows) 1.01-1.12x; 2 heads x q_len 64 1.35-2.29x, 1 head x q_len 64 1.32-1.63x;
+    latency-bound launches keep their 16-row tiles."""
+    return max(block_h, MIN_QUERY_BOX)
 
 
 def _jit(fn):
@@ -210,24 +199,28 @@ def _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage,
 @_jit
 def _load_query(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_block, h_block, q_start, q_len,
                 num_tiles, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr):
-    """TMA of the program's query tile into shared memory, a [BLOCK_H, .] box of flat query rows
-    (token * NUM_HEADS + head) per query token of the request; completes q_ready. Nothing is
-    loaded for a program without kv tiles.
+    """TMA of the program's query tile into shared memory, boxes of flat query rows (token *
+    NUM_HEADS + head): a [BLOCK_H, .] box per query token of the request, or with fewer heads
+    than a box's rows (query_box_rows) a box of the heads of several consecutive tokens;
+    completes q_ready. Nothing is loaded for a program without kv tiles.
 
     Rows of no query are never stored from, so they may hold anything: the heads past NUM_HEADS of
-    a box are the next token's, and the boxes of tokens past q_len are not loaded at all (a widened
-    tile reads only its query rows)."""
+    a box are the next token's, a box of several tokens may reach past q_len (into the next
+    request's tokens, or past the query, which TMA fills with zeros), and boxes whose first token
+    is past q_len are not loaded at all (a widened tile reads only its query rows)."""
+    BOX_ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]
+    BOX_Q: gl.constexpr = BOX_ROWS // BLOCK_H  # query tokens a box
     num_q = gl.where(num_tiles > 0, gl.minimum(q_len - q_block * BLOCK_Q, BLOCK_Q), 0)
-    # q_ready counts BLOCK_Q arrivals: a loaded box's with its bytes, a skipped one's without.
-    for i in gl.static_range(BLOCK_Q):
-        load = i < num_q
-        row = (q_start + q_block * BLOCK_Q + i) * NUM_HEADS + h_block * BLOCK_H
+    # q_ready counts BLOCK_Q // BOX_Q arrivals: a loaded box's with its bytes, a skipped one's without.
+    for i in gl.static_range(BLOCK_Q // BOX_Q):
+        load = i * BOX_Q < num_q
+        row = (q_start + q_block * BLOCK_Q + i * BOX_Q) * NUM_HEADS + h_block * BLOCK_H
         mbarrier.expect(q_ready, q_nope_desc.block_type.nbytes + q_pe_desc.block_type.nbytes, pred=load)
-        tma.async_copy_global_to_shared(q_nope_desc, [row, 0], q_ready, q_nope_smem.slice(i * BLOCK_H, BLOCK_H),
+        tma.async_copy_global_to_shared(q_nope_desc, [row, 0], q_ready, q_nope_smem.slice(i * BOX_ROWS, BOX_ROWS),
                                         pred=load)
-        tma.async_copy_global_to_shared(q_pe_desc, [row, 0], q_ready, q_pe_smem.slice(i * BLOCK_H, BLOCK_H),
+        tma.async_copy_global_to_shared(q_pe_desc, [row, 0], q_ready, q_pe_smem.slice(i * BOX_ROWS, BOX_ROWS),
                                         pred=load)
-        mbarrier.arrive(q_ready, count=1, pred=i >= num_q)
+        mbarrier.arrive(q_ready, count=1, pred=i * BOX_Q >= num_q)
 
 
 @_jit
@@ -501,7 +494,9 @@ def _mla_wgmma_kernel(
     dependent launch, which sets up its shared memory and barriers, then waits for the kernel
     before it ahead of its first load."""
     gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
-    gl.static_assert(q_nope_desc.block_type.shape[0] == BLOCK_H)  # a query box: one token's heads
+    BOX_ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]  # query_box_rows(BLOCK_H)
+    gl.static_assert(BOX_ROWS % BLOCK_H == 0 and _BLOCK_M % BOX_ROWS == 0)
+    gl.static_assert(BOX_ROWS == BLOCK_H or BLOCK_H == NUM_HEADS)  # several tokens' heads: consecutive rows
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
     gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
@@ -545,7 +540,7 @@ def _mla_wgmma_kernel(
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(a_free.index(i), count=1)
     mbarrier.init(done, count=1)
-    mbarrier.init(q_ready, count=BLOCK_Q)
+    mbarrier.init(q_ready, count=_BLOCK_M // BOX_ROWS)
     fence_async_shared()  # the barriers, before the first TMA
     gl.thread_barrier()
     # Prefetching the four TMA descriptors here (prefetch.tensormap), ahead of the wait, changed

@@ -13,7 +13,7 @@ below 0.4 of the roofline, else 0.9x; 0.8 of the roofline where memory-bound and
 >= 128k tokens); a count of each follows the table.
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep] [--kv-dtype fp8]
-                                     [--table-tokens 131072 [--kv-bound]]
+                                     [--table-tokens 131072 [--kv-bound]] [--heads 4 --q-lens 1 4 16]
     python -m benchmarks.mla_kernels --breakdown
 
 Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
@@ -23,7 +23,8 @@ retuning select_config/plan_launch). --breakdown only prints where the small lau
 the attention kernel alone against attention plus reduce, next to the time of an empty launch.
 --table-tokens sizes the block tables for a longer context than the requests' (mla_paged_attention
 plans a launch for the table's width unless given a max_kv_len); --kv-bound then plans each shape
-for the bound the graph runner's kv-bound graphs would replay for it.
+for the bound the graph runner's kv-bound graphs would replay for it. --heads and --q-lens replace
+the table's head counts (16, 128) and query lengths (1, 4), e.g. a tensor-parallel shard's heads.
 """
 
 import argparse
@@ -51,6 +52,8 @@ ROTATE_BYTES = 256 << 20  # rotate KV copies until this many bytes are touched p
 MAX_ROTATIONS = 512  # (fp8 1 x 1k: 455 copies of 0.56 MiB)
 SM_SCALE = 192 ** -0.5
 _BREAKDOWN_GRID = 128  # programs of the empty launch that --breakdown times as the floor
+TABLE_HEADS = (16, 128)  # the table's head counts and query lengths (--heads, --q-lens)
+TABLE_Q_LENS = (1, 4)
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
@@ -462,11 +465,18 @@ def main() -> None:
                              "each shape's seq_len); our kernel plans for the width, FA3 for the lengths")
     parser.add_argument("--kv-bound", action="store_true",
                         help="plan each shape for the smallest kv_plan_bounds bound that holds its seq_len")
+    parser.add_argument("--heads", type=int, nargs="+", default=list(TABLE_HEADS), help="head counts of the table")
+    parser.add_argument("--q-lens", type=int, nargs="+", default=list(TABLE_Q_LENS),
+                        help="query tokens a request, of the table")
     args = parser.parse_args()
+    if min(args.heads + args.q_lens) < 1:
+        parser.error("--heads and --q-lens take positive counts")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
     suffix = ("_fp8" if args.kv_dtype == "fp8" else "") + (f"_table{args.table_tokens}" if args.table_tokens else "")
     suffix += "_bounded" if args.kv_bound else ""
+    suffix += "" if args.heads == list(TABLE_HEADS) else "_heads" + "-".join(map(str, args.heads))
+    suffix += "" if args.q_lens == list(TABLE_Q_LENS) else "_q" + "-".join(map(str, args.q_lens))
     args.out = args.out or Path(f"benchmarks/mla_kernels{suffix}.png")
     if args.profile:
         profile()
@@ -494,8 +504,7 @@ def main() -> None:
     if args.quick:
         shapes = [(1, 1024, 1, 16), (1, 16384, 1, 16), (128, 16384, 1, 16), (32, 4096, 4, 128)]
     else:
-        shapes = [(b, s, q, h) for b, s, q, h in itertools.product([1, 8, 32, 128], [1024, 4096, 16384], [1, 4],
-                                                                   [16, 128])]
+        shapes = list(itertools.product([1, 8, 32, 128], [1024, 4096, 16384], args.q_lens, args.heads))
     rows = []
     print()
     print_row(None)

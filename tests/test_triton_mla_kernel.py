@@ -302,19 +302,21 @@ def test_verify_causal(num_heads, q_len):
     check(args, q, num_splits=1)
 
 
-@pytest.mark.parametrize("num_heads", [1, 4, 5, 8])
-@pytest.mark.parametrize("q_len", [1, 16])
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("q_len", [1, 16, 64])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @gpu
-def test_few_heads_over_pages_of_whole_wgmma_tiles(num_heads, q_len):
-    """Up to 4 heads (a tensor-parallel shard of 32-128 heads) make query boxes the wgmma tile does
-    not compile for (serves_heads): over pages of 64 the Triton tiles serve them (4 heads x 16
-    query tokens, a 64-row tile, raised); on SM90 5-8 heads x 16 run the wgmma tile. Decodes (q_len
-    1) plan 16-row tiles here."""
-    args, q = make_inputs([q_len, 300, 2048], [q_len] * 3, num_heads, 64, "cuda")
+def test_few_heads_over_pages_of_whole_wgmma_tiles(num_heads, q_len, kv_dtype):
+    """Up to 8 heads (a tensor-parallel shard of 32-128 heads) over pages of 64. On SM90 the
+    wgmma tile serves their 64-row tiles but for 3 heads (serves_heads): 1, 2 and 4 heads in query
+    boxes of 8 rows, several tokens' heads each, whose last may reach past the request's tokens and
+    past the query (4 heads x 16 tokens, a 64-row tile, raised before those boxes); 3 heads on the
+    Triton 64-row tile. Decodes (q_len 1) plan narrower tiles here."""
+    args, q = make_inputs([q_len, 300, 2048], [q_len] * 3, num_heads, 64, "cuda", kv_dtype=kv_dtype)
     plan, config = plan_for(args["q"], args["kv_cache"], args["block_tables"], q)
     sm90 = torch.cuda.get_device_capability()[0] == 9
-    assert config.wgmma == (sm90 and num_heads >= 5 and plan.tile.rows == 64)
-    assert (plan.tile.rows == 64) == (q_len == 16 and num_heads >= 4)
+    assert (plan.tile.rows == 64) == (q_len >= 16 and (num_heads >= 3 or q_len == 64))
+    assert config.wgmma == (sm90 and plan.tile.rows == 64 and num_heads != 3)
     check(args, q)
     check(args, q, num_splits=1)
 

@@ -14,6 +14,7 @@ import torch
 
 from attn import triton_mla_wgmma
 from attn.triton_mla_plan import LaunchPlan, TileShape, launch_config, narrow_partials, select_config
+from attn.triton_mla_tma import flat_rows, row_descriptors
 
 H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
 
@@ -41,7 +42,8 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     kv_dtype = "fp8e4nv" if kv_fp8 else "bf16"
     ints = ["stride_bt", "stride_mb", "stride_mq", "stride_ot", "stride_oh", "stride_os",
             "stride_lt", "stride_lh", "num_splits", "mask_len"]
-    signature = dict(q_nope_desc=_descriptor_type([tile.block_h, 512]), q_pe_desc=_descriptor_type([tile.block_h, 64]),
+    box = triton_mla_wgmma.query_box_rows(tile.block_h)
+    signature = dict(q_nope_desc=_descriptor_type([box, 512]), q_pe_desc=_descriptor_type([box, 64]),
                      kv_nope_desc=_descriptor_type([block_n, 512], kv_dtype),
                      kv_pe_desc=_descriptor_type([block_n, 64], kv_dtype), bt_ptr="*i32", seq_lens_ptr="*i32",
                      cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr=f"*{out_dtype}",
@@ -70,8 +72,11 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     (128, 1, False, False, True),  # fp8 cache: decode
     (16, 4, True, True, True),  # fp8 cache: tree verify
     (16, 1, False, False, True),  # fp8 cache: widened decode, fp32 partials
-    (8, 1, False, False, False),  # the fewest heads it serves (serves_heads): query boxes of 8 rows
+    (8, 1, False, False, False),  # the fewest heads a box of one token holds (serves_heads): 8 rows
     (8, 4, True, True, True),  # and their tree verify over an fp8 cache
+    (4, 16, True, True, False),  # 4 heads: boxes of two tokens' heads, tree verify
+    (2, 32, False, False, True),  # 2 heads, four tokens a box: causal verify over an fp8 cache, split partials
+    (1, 64, False, True, False),  # 1 head, eight tokens a box: extend
 ])
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct,
                                                                  kv_fp8):
@@ -96,9 +101,11 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_hea
 
 
 def test_serves_heads_that_fill_query_boxes_of_eight_rows():
-    """A box is one token's heads, rounded up to a power of two: 5-8 heads make 8-row boxes."""
-    assert [h for h in range(1, 17) if triton_mla_wgmma.serves_heads(h)] == list(range(5, 17))
+    """A box is one token's heads, rounded up to a power of two: 5-8 heads make 8-row boxes; 1, 2
+    and 4 heads, all of a request's, fill 8 rows with several tokens' heads; 3 heads cannot."""
+    assert [h for h in range(1, 17) if triton_mla_wgmma.serves_heads(h)] == [1, 2, 4, *range(5, 17)]
     assert triton_mla_wgmma.serves_heads(128)
+    assert [triton_mla_wgmma.query_box_rows(h) for h in (1, 2, 4, 8, 16, 64)] == [8, 8, 8, 8, 16, 64]
 
 
 def test_not_used_off_sm90_or_for_caches_it_cannot_address():
@@ -115,7 +122,7 @@ def test_not_used_off_sm90_or_for_caches_it_cannot_address():
 @needs_gluon
 def test_kv_descriptors_address_latent_and_rope_rows_of_the_flat_cache():
     kv = torch.zeros(3, 128, 576, dtype=torch.bfloat16)
-    nope, pe = triton_mla_wgmma.row_descriptors(kv, 64)
+    nope, pe = row_descriptors(kv, 64)
     assert nope.shape == [384, 512] and pe.shape == [384, 64]
     assert nope.strides == [576, 1] and pe.strides == [576, 1]
     assert nope.block_shape == [64, 512] and pe.block_shape == [64, 64]
@@ -127,13 +134,13 @@ def test_flat_rows_only_where_tma_can_address_them():
     """The query [T, H, 576] and the cache [pages, page_size, 576] are read by TMA as flat rows:
     only evenly strided, 16-byte aligned ones; otherwise the launch takes the Triton tile."""
     q = torch.zeros(5, 16, 576, dtype=torch.bfloat16)
-    flat = triton_mla_wgmma._flat_rows(q)
+    flat = flat_rows(q)
     assert flat.shape == (80, 576) and flat.stride() == (576, 1) and flat.data_ptr() == q.data_ptr()
     padded = torch.zeros(5, 16, 640, dtype=torch.bfloat16)[..., :576]  # rows 1280 bytes apart
-    assert triton_mla_wgmma._flat_rows(padded).stride() == (640, 1)
-    assert triton_mla_wgmma._flat_rows(torch.zeros(5, 20, 576, dtype=torch.bfloat16)[:, :16]) is None  # uneven
-    assert triton_mla_wgmma._flat_rows(torch.zeros(5, 16, 580, dtype=torch.bfloat16)[..., 1:577]) is None  # unaligned
+    assert flat_rows(padded).stride() == (640, 1)
+    assert flat_rows(torch.zeros(5, 20, 576, dtype=torch.bfloat16)[:, :16]) is None  # uneven
+    assert flat_rows(torch.zeros(5, 16, 580, dtype=torch.bfloat16)[..., 1:577]) is None  # unaligned
     one_token = torch.zeros(2, 16, 576, dtype=torch.bfloat16)[:1]
-    assert triton_mla_wgmma._flat_rows(one_token.as_strided((1, 16, 576), (10**6, 576, 1))) is not None
-    assert triton_mla_wgmma._flat_rows(torch.zeros(4, 64, 576, dtype=torch.bfloat16)).shape == (256, 576)
+    assert flat_rows(one_token.as_strided((1, 16, 576), (10**6, 576, 1))) is not None
+    assert flat_rows(torch.zeros(4, 64, 576, dtype=torch.bfloat16)).shape == (256, 576)
 
