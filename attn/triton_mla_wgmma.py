@@ -135,7 +135,7 @@ except ImportError:  # CPU-only install, or a Triton without Gluon: the Triton t
 
 BLOCK_M = 64  # rows of one program: one wgmma M
 BLOCK_N = 64  # kv rows per tile; a page must hold whole tiles
-MIN_QUERY_BOX = 8  # rows of the smallest query box (one token's heads) the tile compiles for
+MIN_QUERY_BOX = 8  # rows of the smallest query box the tile compiles for (query_box_rows)
 NUM_WARPS = 4  # the softmax warpgroup; the PV warpgroup is a 4-warp worker on top
 D_NOPE = 512
 D_PE = 64

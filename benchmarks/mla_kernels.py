@@ -471,6 +471,8 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.heads + args.q_lens) < 1:
         parser.error("--heads and --q-lens take positive counts")
+    if args.quick and (args.heads != list(TABLE_HEADS) or args.q_lens != list(TABLE_Q_LENS)):
+        parser.error("--quick times its own few shapes; --heads and --q-lens shape the full table")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
     suffix = ("_fp8" if args.kv_dtype == "fp8" else "") + (f"_table{args.table_tokens}" if args.table_tokens else "")
