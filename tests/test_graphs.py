@@ -312,6 +312,34 @@ def test_steps_from_a_thread_that_has_done_no_gpu_work(graphs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_worker_on_another_gpu_than_the_current_one(graphs):
+    """An engine driving two GPUs from one process: a worker on cuda:1, stepped while cuda:0 is
+    current, sends its Triton launches, event records and graph captures and replays to cuda:1
+    (specdec.device.on_device), decodes what target-only decoding on cuda:1 does, and holds no
+    memory on cuda:0. Needs two GPUs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    torch.cuda.set_device(0)
+    torch.cuda.reset_peak_memory_stats(0)  # the peak from here on: frees of earlier tests' tensors cannot hide an allocation
+    held_on_0 = torch.cuda.memory_allocated(0)
+    target, mtp = make_models("cuda:1", torch.float32)
+    cfg = SpecConfig(num_steps=3, attention_backend="triton_mla", kv_dtype="bf16", page_size=16,
+                     max_batch_size=4, max_context_len=256)
+    worker = EagleWorker(target, mtp, cfg)
+    if graphs:
+        GraphRunner(worker, [1, 2, 4], progress=False)
+    groups = [(prompts(2, seed=7), 24), (prompts(2, seed=8), 16)]
+    outputs, _ = run_to_completion(worker, groups)
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.max_memory_allocated(0) == held_on_0
+    with torch.cuda.device(1):  # the baseline's Triton launches take the current device
+        expected = reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
+    assert outputs == expected
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch_ref", "triton_mla"])
 def test_batches_above_the_largest_bucket_run_eagerly_with_eager_fallback(backend):
     target, worker = gpu_worker(backend, max_bs=4)
