@@ -6,15 +6,23 @@ split tiles, then the merge CTAs) on the torch reference schedule (tests/fa3_ref
 the result must equal a dense causal attention: any wrong work item, kv range, partial row or
 merge entry shows up as a wrong or missing output row. The Triton kernel that writes the
 schedule must write the reference's arrays exactly (Triton's interpreter, where Triton is
-installed; on the GPU, tests/test_gpu_backends.py compares against FlashInfer's own plan).
+installed; on the GPU, tests/test_gpu_backends.py compares against FlashInfer's own plan). The
+reference itself is held to FlashInfer's own MLAPlan, compiled from the pinned wheel's headers and
+run on the host (tests/mlaplan_oracle.cu), where nvcc is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
-from attn.fa3_plan import MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, schedule_layout
+from attn.fa3_plan import MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, ceil_div, schedule_layout
 from fa3_reference import build_schedule
 from interpreted import run_interpreted
 
@@ -132,11 +140,12 @@ def test_schedule_splits_long_kv_and_balances_clusters(bs, q_len, heads, kv):
 
 def fake_plan_info(g: Fa3Geometry) -> tuple[list[int], int]:
     """A plan_info laid out as FlashInfer's MLAPlan lays it out (each array at full capacity, in
-    its allocation order), and the workspace bytes it spans."""
+    its allocation order, 16-byte aligned), and the workspace bytes it spans."""
     offsets, at = {}, 0
     for name, n in [(f, MAX_WORKS) for f in WORK_FIELDS[:3]] + [(f, g.num_sm) for f in MERGE_FIELDS] + \
                    [(f, MAX_WORKS) for f in WORK_FIELDS[3:]] + [("work_indptr", MAX_WORKS)]:
-        offsets[name], at = at, at + 4 * n
+        offsets[name] = ceil_div(at, 16) * 16
+        at = offsets[name] + 4 * n
     return [g.cluster_size, g.num_clusters] + [offsets[f] for f in PLAN_INFO_FIELDS[2:16]] + [0, 0], at
 
 
@@ -156,6 +165,73 @@ def test_schedule_shapes_are_static_and_layout_follows_plan_info():
     cramped[PLAN_INFO_FIELDS.index("kv_indptr")] = info[PLAN_INFO_FIELDS.index("q_indptr")] + 4 * (g.max_works - 1)
     with pytest.raises(RuntimeError, match="q_indptr array holds"):
         schedule_layout(g, cramped)
+
+
+@pytest.fixture(scope="session")
+def mlaplan(tmp_path_factory):
+    """FlashInfer's MLAPlan as a function of (geometry, kv lengths, page starts): the plan_info
+    and arrays tests/mlaplan_oracle.cu prints, built once from the installed flashinfer-python's
+    headers (skipped without nvcc or flashinfer)."""
+    spec = importlib.util.find_spec("flashinfer")
+    nvcc = shutil.which("nvcc")
+    if spec is None or nvcc is None:
+        pytest.skip("FlashInfer's MLAPlan oracle needs flashinfer-python and nvcc")
+    data = Path(spec.submodule_search_locations[0]) / "data"
+    binary = tmp_path_factory.mktemp("mlaplan") / "mlaplan_oracle"
+    includes = [data / "cccl/libcudacxx/include", data / "cccl/cub", data / "cccl/thrust", data / "include"]
+    build = subprocess.run([nvcc, "-std=c++17", *(f"-I{p}" for p in includes), str(Path(__file__).with_name("mlaplan_oracle.cu")),
+                            "-o", str(binary)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+
+    def plan(g: Fa3Geometry, kv_lens: list[int], page_starts: list[int]) -> dict[str, list[int]]:
+        qo_indptr = [i * g.q_len for i in range(g.batch_size + 1)]
+        kv_indptr = page_starts + [page_starts[-1] + 1]  # MLAPlan reads only the requests' starts
+        args = [g.num_sm, g.batch_size, g.num_heads, 512, 1, *qo_indptr, *kv_indptr, *kv_lens]
+        run = subprocess.run([str(binary)], input=" ".join(map(str, args)), capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        lines = [[int(x) for x in line.split()] for line in run.stdout.splitlines()]
+        return dict(zip(("plan_info", "work_indptr", *WORK_FIELDS, *MERGE_FIELDS), lines))
+
+    return plan
+
+
+def random_cases(n: int, seed: int) -> list[tuple[int, int, int, int, list[int]]]:
+    """Geometries the kernel runs (heads dividing the query tile where a request has several),
+    with kv lengths from empty to 20k, batches of 1-64 on 2-132 SMs."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < n:
+        bs, q_len, heads, sms = rng.randint(1, 64), rng.choice([1, 1, 2, 4, 6, 8]), rng.choice([8, 16, 32, 64, 128]), rng.choice([2, 7, 16, 78, 132])
+        try:
+            Fa3Geometry(bs, q_len, heads, sms)
+        except ValueError:
+            continue
+        kv = [rng.choice([0, rng.randint(q_len, 64), rng.randint(q_len, 2000), rng.randint(q_len, 20000)]) for _ in range(bs)]
+        cases.append((bs, q_len, heads, sms, [max(k, q_len) if k else 0 for k in kv]))
+    return cases
+
+
+# One request whose kv per cluster falls in each of MLAPlan's split-length bands (<= 8, 16, 32, 64,
+# more), on one-CTA clusters and on two-CTA clusters (16 heads x 8 tokens).
+SPLIT_BAND_CASES = [(1, q_len, 16, 132, [kv]) for q_len in (1, 8) for kv in (100, 1500, 3000, 6000, 20000)]
+
+
+@pytest.mark.parametrize("bs,q_len,heads,sms,kv", CASES + [(bs, q, h, 132, kv) for bs, q, h, kv in BALANCE_CASES] + SPLIT_BAND_CASES + random_cases(24, seed=3))
+def test_reference_schedule_is_flashinfers_mlaplan(mlaplan, bs, q_len, heads, sms, kv):
+    """FlashInfer's own MLAPlan, on the same requests: its grid, its layout (which schedule_layout
+    accepts), the same work items (which cluster runs one is ours to choose: only the set must
+    match) and the same merge CTAs, entry for entry."""
+    g = Fa3Geometry(bs, q_len, heads, sms)
+    page_starts = [sum(k // 16 + 1 for k in kv[:i]) for i in range(bs)]
+    theirs = mlaplan(g, kv, page_starts)
+    ours = build_schedule(g, torch.tensor(kv, dtype=torch.int32), torch.tensor(page_starts, dtype=torch.int32))
+    assert theirs["plan_info"][:16] == fake_plan_info(g)[0][:16]  # grid and int workspace layout
+    schedule_layout(g, theirs["plan_info"])  # raises where an array has not the room the schedule fills
+    works = int(ours.work_indptr[-1])
+    assert works == theirs["work_indptr"][-1] <= g.max_works
+    items = sorted(zip(*(theirs[f] for f in WORK_FIELDS)))
+    assert sorted(zip(*(row[:works].tolist() for row in ours.works))) == items
+    assert [row.tolist() for row in ours.merge] == [theirs[f] for f in MERGE_FIELDS]
 
 
 _INTERPRETED = """
