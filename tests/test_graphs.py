@@ -126,8 +126,8 @@ def test_a_step_replays_the_smallest_kv_bound_holding_its_longest_request():
 GPU_BACKENDS = ["torch_ref", "triton_mla", "flashinfer_mla"]
 
 
-def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4):
-    target, mtp = make_models("cuda", torch.float32)
+def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4, device="cuda"):
+    target, mtp = make_models(device, torch.float32)
     cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16",
                      page_size=16, max_batch_size=max_bs, max_context_len=256)
     return target, EagleWorker(target, mtp, cfg)
@@ -323,10 +323,7 @@ def test_a_worker_on_another_gpu_than_the_current_one(graphs):
     torch.cuda.set_device(0)
     torch.cuda.reset_peak_memory_stats(0)  # the peak from here on: frees of earlier tests' tensors cannot hide an allocation
     held_on_0 = torch.cuda.memory_allocated(0)
-    target, mtp = make_models("cuda:1", torch.float32)
-    cfg = SpecConfig(num_steps=3, attention_backend="triton_mla", kv_dtype="bf16", page_size=16,
-                     max_batch_size=4, max_context_len=256)
-    worker = EagleWorker(target, mtp, cfg)
+    target, worker = gpu_worker("triton_mla", device="cuda:1")
     if graphs:
         GraphRunner(worker, [1, 2, 4], progress=False)
     groups = [(prompts(2, seed=7), 24), (prompts(2, seed=8), 16)]
