@@ -15,12 +15,15 @@ below 0.4 of the roofline, else 0.9x; 0.8 of the roofline where memory-bound and
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep] [--kv-dtype fp8]
                                      [--table-tokens 131072 [--kv-bound]] [--heads 4 --q-lens 1 4 16]
     python -m benchmarks.mla_kernels --breakdown
+    python -m benchmarks.mla_kernels --plan-search
 
 Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
 power that nvidia-smi reads while our kernel's graph replays for half a second (sustained_clock).
 --sweep also times alternative launch configurations and split counts of the Triton kernel (for
 retuning select_config/plan_launch). --breakdown only prints where the small launches' time goes:
 the attention kernel alone against attention plus reduce, next to the time of an empty launch.
+--plan-search only times, on the latency-bound shapes, the planned launch against every tile and
+split count (alternative_launches), to tell whether a missed target is the planner's.
 --table-tokens sizes the block tables for a longer context than the requests' (mla_paged_attention
 plans a launch for the table's width unless given a max_kv_len); --kv-bound then plans each shape
 for the bound the graph runner's kv-bound graphs would replay for it. --heads and --q-lens replace
@@ -42,8 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
+from attn import triton_mla_wgmma
 from attn.triton_mla_kernel import _launch, kv_plan_bounds, mla_paged_attention, plan_for, plan_min_chunk
-from attn.triton_mla_plan import KernelConfig, tile_shape
+from attn.triton_mla_plan import (MAX_ROWS, KernelConfig, LaunchPlan, TileShape, launch_config, next_pow2,
+                                  select_config, tile_shape)
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64
@@ -240,9 +245,10 @@ class Case:
             SM_SCALE, None, self.out, 1.0, plan.num_splits, plan.tile, config,
             plan_min_chunk(plan, config, self.heads, self.q_len), reduce=False)
 
-    def launch_call(self, rotation: int, num_splits: int, config: KernelConfig):
-        """Exactly num_splits chunks (min chunk = one tile) with the given launch config."""
-        tile = tile_shape(self.heads, self.q_len)
+    def launch_call(self, rotation: int, num_splits: int, config: KernelConfig, tile: TileShape | None = None):
+        """Exactly num_splits chunks (min chunk = one tile) with the given launch config, on
+        ``tile`` (default: tile_shape's)."""
+        tile = tile or tile_shape(self.heads, self.q_len)
         return lambda: _launch(
             self.q, self.kv_pool[rotation], self.block_tables, self.seq_lens, self.cu_seqlens_q, self.q_len,
             SM_SCALE, None, self.out, 1.0, num_splits, tile, config, config.block_n)
@@ -405,6 +411,60 @@ def sweep(bandwidth: float) -> None:
         torch.cuda.empty_cache()
 
 
+PLAN_SEARCH_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def alternative_launches(heads: int, seq_len: int, wgmma: bool,
+                         planned_splits: int) -> list[tuple[TileShape, KernelConfig, int]]:
+    """The launches --plan-search times against plan_launch's: every tile of 16, 32 and 64 rows
+    (heads first, as tile_shape fills them: a 64-row tile on the wgmma kernel where it serves, as
+    launch_config puts it) x every split count of PLAN_SEARCH_SPLITS and the planned one (whole
+    waves of another SM count than 132 are not powers of two) whose chunks hold at least one kv
+    tile of ``seq_len``."""
+    launches = []
+    for rows in (16, 32, MAX_ROWS):
+        block_h = min(next_pow2(heads), rows)
+        tile = TileShape(block_h, rows // block_h)
+        config = launch_config(LaunchPlan(tile, select_config(tile), 1), wgmma)
+        launches += [(tile, config, splits) for splits in sorted({*PLAN_SEARCH_SPLITS, planned_splits})
+                     if seq_len // splits >= config.block_n]
+    return launches
+
+
+def plan_search() -> None:
+    """On the latency-bound shapes of the table (batch x seq_len under 128k tokens: where FA3 sits
+    below 0.4 of the roofline), time plan_launch's launch against alternative_launches' and print
+    the planned launch next to the fastest three (their outputs checked like the table's)."""
+    print("\nplan search: the planned launch against every tile x split count (us; tile splits kernel)")
+    shapes = [shape for shape in itertools.product([1, 8, 32], [1024, 4096, 16384], TABLE_Q_LENS, TABLE_HEADS)
+              if shape[0] * shape[1] < 128 * 1024]
+    for shape in shapes:
+        case = Case(*shape)
+        plan, config = case.plan()
+        wgmma = triton_mla_wgmma.supports(case.q, case.kv_pool[0])
+        alternatives = alternative_launches(case.heads, case.seq_len, wgmma, plan.num_splits)
+        call_lists = [[case.triton_call(r) for r in range(case.rotations)]]
+        call_lists += [[case.launch_call(r, splits, alt_config, tile) for r in range(case.rotations)]
+                       for tile, alt_config, splits in alternatives]
+        times = []
+        for first in range(0, len(call_lists), 8):  # a few graphs at a time: each holds its partials
+            times += graph_times_us(*call_lists[first:first + 8], min_calls=100, samples=3)
+        ranked = sorted(zip(times[1:], alternatives), key=lambda timed: timed[0])[:3]
+        _, (tile, alt_config, splits) = ranked[0]
+        case.launch_call(0, splits, alt_config, tile)()
+        reference = case.reference(0)
+        err = (case.out[:case.q_len].float() - reference).abs().max().item() / reference.abs().max().item()
+
+        def label(tile: TileShape, config: KernelConfig, splits: int) -> str:
+            return f"{tile.block_h}x{tile.block_q} {splits:>3} {'wgmma' if config.wgmma else 'triton'}"
+
+        best = ", ".join(f"{label(*launch)} {us:.2f}" for us, launch in ranked)
+        print(f"{shape}: planned {label(plan.tile, config, plan.num_splits)} {times[0]:.2f} | fastest {best} "
+              f"| planned/fastest {times[0] / ranked[0][0]:.3f}, fastest's err {err:.4f}", flush=True)
+        del case, call_lists
+        torch.cuda.empty_cache()
+
+
 @triton.jit
 def _empty_kernel(flag_ptr):
     """A launch that does nothing but wait for the kernel before it (as ours do) and store a flag."""
@@ -454,6 +514,9 @@ def main() -> None:
                         help="PNG path (default benchmarks/mla_kernels[_fp8][_table<N>[_bounded]].png)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
+    parser.add_argument("--plan-search", action="store_true",
+                        help="only time the planned launch of the latency-bound shapes against every tile and "
+                             "split count")
     parser.add_argument("--profile", action="store_true", help="only run a few shapes eagerly (for ncu)")
     parser.add_argument("--breakdown", action="store_true",
                         help="only time the small-batch shapes' attention kernel alone and with the reduce")
@@ -485,6 +548,9 @@ def main() -> None:
         return
     if args.breakdown:
         breakdown()
+        return
+    if args.plan_search:
+        plan_search()
         return
 
     bandwidth = copy_bandwidth()
