@@ -464,7 +464,7 @@ def _launch(
 
     A request's kv is cut into num_splits chunks of at least min_chunk (a multiple of BLOCK_N);
     discard_partials: see plan_launch. reduce=False launches the attention kernel alone, leaving
-    several splits' partials unmerged and ``out`` unwritten (to time it: benchmarks/mla_kernels.py
+    several splits' partials unmerged and ``out`` unwritten (to time it: benchmarks/mla_tuning.py
     --breakdown).
     """
     num_tokens, num_heads, _ = q.shape

@@ -270,7 +270,7 @@ def programs_per_sm(tile: TileShape, config: KernelConfig) -> int:
 
 
 def select_config(tile: TileShape) -> KernelConfig:
-    """Hopper launch parameters (from benchmarks/mla_kernels.py --sweep on an H100).
+    """Hopper launch parameters (from benchmarks/mla_tuning.py --sweep on an H100).
 
     16 rows: mma.sync with 4 warps, 32-row kv tiles, double-buffered. 32 rows: 64-row kv tiles
     and 8 warps. 64 rows: wgmma; the [64, 512] fp32 accumulator needs 8 warps (128 registers a

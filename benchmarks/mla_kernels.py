@@ -12,18 +12,13 @@ targets: the issue's targets that apply to the row and whether it meets them (2x
 below 0.4 of the roofline, else 0.9x; 0.8 of the roofline where memory-bound and batch x seq_len
 >= 128k tokens); a count of each follows the table.
 
-    python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--sweep] [--kv-dtype fp8]
+    python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--kv-dtype fp8]
                                      [--table-tokens 131072 [--kv-bound]] [--heads 4 --q-lens 1 4 16]
-    python -m benchmarks.mla_kernels --breakdown
-    python -m benchmarks.mla_kernels --plan-search
 
 Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
 power that nvidia-smi reads while our kernel's graph replays for half a second (sustained_clock).
---sweep also times alternative launch configurations and split counts of the Triton kernel (for
-retuning select_config/plan_launch). --breakdown only prints where the small launches' time goes:
-the attention kernel alone against attention plus reduce, next to the time of an empty launch.
---plan-search only times, on the latency-bound shapes, the planned launch against every tile and
-split count (alternative_launches), to tell whether a missed target is the planner's.
+benchmarks/mla_tuning.py times, on the same cases, what retuning the kernels and their planner
+needs (other launches than the planned one, where the small launches' time goes).
 --table-tokens sizes the block tables for a longer context than the requests' (mla_paged_attention
 plans a launch for the table's width unless given a max_kv_len); --kv-bound then plans each shape
 for the bound the graph runner's kv-bound graphs would replay for it. --heads and --q-lens replace
@@ -42,13 +37,9 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
-from attn import triton_mla_wgmma
 from attn.triton_mla_kernel import _launch, kv_plan_bounds, mla_paged_attention, plan_for, plan_min_chunk
-from attn.triton_mla_plan import (MAX_ROWS, KernelConfig, LaunchPlan, TileShape, launch_config, next_pow2,
-                                  select_config, tile_shape)
+from attn.triton_mla_plan import KernelConfig, TileShape, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64
@@ -56,7 +47,6 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 ROTATE_BYTES = 256 << 20  # rotate KV copies until this many bytes are touched per graph
 MAX_ROTATIONS = 512  # (fp8 1 x 1k: 455 copies of 0.56 MiB)
 SM_SCALE = 192 ** -0.5
-_BREAKDOWN_GRID = 128  # programs of the empty launch that --breakdown times as the floor
 TABLE_HEADS = (16, 128)  # the table's head counts and query lengths (--heads, --q-lens)
 TABLE_Q_LENS = (1, 4)
 
@@ -341,9 +331,6 @@ COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads
            ("fa3_err", "{:>7.4f}"), ("check", "{:>5}"), ("targets", "{:<17}")]
 
 
-# The shape and plan columns of the table, then the times of --breakdown.
-_BREAKDOWN_COLUMNS = COLUMNS[:7] + [("full_us", "{:>8.2f}"), ("attention_us", "{:>12.2f}"), ("reduce_us", "{:>9.2f}")]
-
 
 def print_row(row: dict | None, columns: list = COLUMNS) -> None:
     """One table row of ``columns`` (name, format) from ``row``; None: the header."""
@@ -379,150 +366,13 @@ def plot(rows: list[dict], path: Path, kv_dtype: str, device_name: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-SWEEP = [  # (batch, seq_len, q_len, heads), split counts, KernelConfig fields
-    ((1, 1024, 1, 16), [16, 32], [(32, 4, 2), (32, 8, 2)]),
-    ((1, 16384, 1, 16), [64, 128], [(32, 4, 2), (64, 8, 2)]),
-    ((8, 4096, 1, 16), [16, 32], [(32, 4, 2), (64, 4, 2)]),
-    ((128, 4096, 1, 16), [1, 2], [(32, 4, 2), (64, 4, 2)]),
-    ((8, 4096, 2, 16), [8, 16], [(32, 8, 2), (64, 8, 2)]),
-    ((1, 16384, 1, 128), [32, 64, 128], [(64, 8, 2), (64, 8, 2, 1, True)]),
-    ((32, 4096, 4, 16), [2, 4], [(64, 8, 2), (64, 8, 2, 1, True)]),
-]
-
-
-def sweep(bandwidth: float) -> None:
-    """Time split counts x launch configs (Triton and, on 64-row tiles, wgmma kernels) on a few
-    shapes (for retuning)."""
-    print("\nsweep: shape, num_splits, config -> us (fraction of roofline)")
-    for shape, splits_options, configs in SWEEP:
-        case = Case(*shape)
-        roof_us = max(case.roofline_s(bandwidth)) * 1e6
-        for num_splits, fields in itertools.product(splits_options, configs):
-            config = KernelConfig(*fields)
-            try:
-                us = graph_time_us([case.launch_call(r, num_splits, config) for r in range(case.rotations)])
-                result = f"{us:8.1f} us ({roof_us / us:.2f})"
-            except Exception as error:  # an oversized config fails to compile: report and go on
-                result = f"failed: {type(error).__name__}: {str(error)[:80]}"
-            kind = "wgmma" if config.wgmma else "triton"
-            print(f"{shape} splits={num_splits:<3} {kind} n{config.block_n} w{config.num_warps} s{config.num_stages}: "
-                  f"{result}", flush=True)
-        del case
-        torch.cuda.empty_cache()
-
-
-PLAN_SEARCH_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-
-
-def alternative_launches(heads: int, seq_len: int, wgmma: bool,
-                         planned_splits: int) -> list[tuple[TileShape, KernelConfig, int]]:
-    """The launches --plan-search times against plan_launch's: every tile of 16, 32 and 64 rows
-    (heads first, as tile_shape fills them: a 64-row tile on the wgmma kernel where it serves, as
-    launch_config puts it) x every split count of PLAN_SEARCH_SPLITS and the planned one (whole
-    waves of another SM count than 132 are not powers of two) whose chunks hold at least one kv
-    tile of ``seq_len``."""
-    launches = []
-    for rows in (16, 32, MAX_ROWS):
-        block_h = min(next_pow2(heads), rows)
-        tile = TileShape(block_h, rows // block_h)
-        config = launch_config(LaunchPlan(tile, select_config(tile), 1), wgmma)
-        launches += [(tile, config, splits) for splits in sorted({*PLAN_SEARCH_SPLITS, planned_splits})
-                     if seq_len // splits >= config.block_n]
-    return launches
-
-
-def plan_search() -> None:
-    """On the latency-bound shapes of the table (batch x seq_len under 128k tokens: where FA3 sits
-    below 0.4 of the roofline), time plan_launch's launch against alternative_launches' and print
-    the planned launch next to the fastest three (their outputs checked like the table's)."""
-    print("\nplan search: the planned launch against every tile x split count (us; tile splits kernel)")
-    shapes = [shape for shape in itertools.product([1, 8, 32], [1024, 4096, 16384], TABLE_Q_LENS, TABLE_HEADS)
-              if shape[0] * shape[1] < 128 * 1024]
-    for shape in shapes:
-        case = Case(*shape)
-        plan, config = case.plan()
-        wgmma = triton_mla_wgmma.supports(case.q, case.kv_pool[0])
-        alternatives = alternative_launches(case.heads, case.seq_len, wgmma, plan.num_splits)
-        call_lists = [[case.triton_call(r) for r in range(case.rotations)]]
-        call_lists += [[case.launch_call(r, splits, alt_config, tile) for r in range(case.rotations)]
-                       for tile, alt_config, splits in alternatives]
-        times = []
-        for first in range(0, len(call_lists), 8):  # a few graphs at a time: each holds its partials
-            times += graph_times_us(*call_lists[first:first + 8], min_calls=100, samples=3)
-        ranked = sorted(zip(times[1:], alternatives), key=lambda timed: timed[0])[:3]
-        _, (tile, alt_config, splits) = ranked[0]
-        case.launch_call(0, splits, alt_config, tile)()
-        reference = case.reference(0)
-        err = (case.out[:case.q_len].float() - reference).abs().max().item() / reference.abs().max().item()
-
-        def label(tile: TileShape, config: KernelConfig, splits: int) -> str:
-            return f"{tile.block_h}x{tile.block_q} {splits:>3} {'wgmma' if config.wgmma else 'triton'}"
-
-        best = ", ".join(f"{label(*launch)} {us:.2f}" for us, launch in ranked)
-        print(f"{shape}: planned {label(plan.tile, config, plan.num_splits)} {times[0]:.2f} | fastest {best} "
-              f"| planned/fastest {times[0] / ranked[0][0]:.3f}, fastest's err {err:.4f}", flush=True)
-        del case, call_lists
-        torch.cuda.empty_cache()
-
-
-@triton.jit
-def _empty_kernel(flag_ptr):
-    """A launch that does nothing but wait for the kernel before it (as ours do) and store a flag."""
-    tl.extra.cuda.gdc_wait()
-    tl.store(flag_ptr + tl.program_id(0), 1)
-
-
-def breakdown() -> None:
-    """Graph time of the default path against its attention kernel alone on the small-batch shapes
-    (the difference: the reduce of the split partials), after the floor: the graph time of a
-    programmatic dependent launch of a wave of empty programs. Meant for the latency-bound rows: on
-    the longest ones the clock the power cap leaves moves either time by more than the reduce. Not
-    for launches that discard their partials from L2 (plan_launch's discard_partials): the attention
-    kernel alone leaves them to be written back, which the full path does not (reduce_us: nan)."""
-    flag = torch.zeros(_BREAKDOWN_GRID, dtype=torch.int32, device="cuda")
-
-    def empty():
-        _empty_kernel[(_BREAKDOWN_GRID,)](flag, launch_pdl=True)
-
-    floor = graph_time_us([empty] * 20)
-    print(f"\nfloor: {floor:.2f} us a launch of {_BREAKDOWN_GRID} empty programs, back to back in a graph")
-    print_row(None, _BREAKDOWN_COLUMNS)
-    for shape in itertools.product([1, 8], [1024, 4096, 16384], [1, 4], [16, 128]):
-        case = Case(*shape)
-        full, attention = graph_times_us([case.triton_call(r) for r in range(case.rotations)],
-                                         [case.attention_call(r) for r in range(case.rotations)])
-        discards = case.plan()[0].discard_partials
-        print_row(dict(case.plan_fields(), full_us=full, attention_us=attention,
-                       reduce_us=float("nan") if discards else full - attention), _BREAKDOWN_COLUMNS)
-        del case
-        torch.cuda.empty_cache()
-
-
-def profile() -> None:
-    """Eager calls of the default path on a few shapes, to run under ncu."""
-    for shape in [(1, 1024, 1, 16), (1, 16384, 1, 16), (8, 4096, 1, 16), (32, 4096, 4, 128)]:
-        case = Case(*shape)
-        for _ in range(2):
-            case.triton_call(0)()
-        torch.cuda.synchronize()
-        del case
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path,
                         help="PNG path (default benchmarks/mla_kernels[_fp8][_table<N>[_bounded]].png)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
-    parser.add_argument("--plan-search", action="store_true",
-                        help="only time the planned launch of the latency-bound shapes against every tile and "
-                             "split count")
-    parser.add_argument("--profile", action="store_true", help="only run a few shapes eagerly (for ncu)")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="only time the small-batch shapes' attention kernel alone and with the reduce")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
-                        help="cache dtype of the table, not of --sweep (fp8: e4m3; KV bytes in the roofline "
-                             "are 1 a value)")
+                        help="cache dtype of the table (fp8: e4m3; KV bytes in the roofline are 1 a value)")
     parser.add_argument("--table-tokens", type=int,
                         help="block tables this many tokens wide, as an engine's under CUDA graphs (default: "
                              "each shape's seq_len); our kernel plans for the width, FA3 for the lengths")
@@ -543,15 +393,6 @@ def main() -> None:
     suffix += "" if args.heads == list(TABLE_HEADS) else "_heads" + "-".join(map(str, args.heads))
     suffix += "" if args.q_lens == list(TABLE_Q_LENS) else "_q" + "-".join(map(str, args.q_lens))
     args.out = args.out or Path(f"benchmarks/mla_kernels{suffix}.png")
-    if args.profile:
-        profile()
-        return
-    if args.breakdown:
-        breakdown()
-        return
-    if args.plan_search:
-        plan_search()
-        return
 
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -566,8 +407,6 @@ def main() -> None:
     except ImportError as error:
         with_fa3 = False
         print(f"note: flashinfer not importable ({error}); FA3 columns are empty")
-    if args.sweep:
-        sweep(bandwidth)
 
     if args.quick:
         shapes = [(1, 1024, 1, 16), (1, 16384, 1, 16), (128, 16384, 1, 16), (32, 4096, 4, 128)]

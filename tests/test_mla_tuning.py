@@ -1,4 +1,4 @@
-"""benchmarks/mla_kernels.py's host-side logic (the module needs Triton to import)."""
+"""benchmarks/mla_tuning.py's host-side logic (the module needs Triton to import)."""
 
 import itertools
 
@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("triton")
 
 from attn.triton_mla_plan import launch_config, plan_launch  # noqa: E402
-from benchmarks.mla_kernels import TABLE_HEADS, TABLE_Q_LENS, alternative_launches  # noqa: E402
+from benchmarks.mla_kernels import TABLE_HEADS, TABLE_Q_LENS  # noqa: E402
+from benchmarks.mla_tuning import alternative_launches  # noqa: E402
 
 LATENCY_BOUND = [shape for shape in itertools.product([1, 8, 32], [1024, 4096, 16384], TABLE_Q_LENS, TABLE_HEADS)
                  if shape[0] * shape[1] < 128 * 1024]
