@@ -49,6 +49,7 @@ MAX_ROTATIONS = 512  # (fp8 1 x 1k: 455 copies of 0.56 MiB)
 SM_SCALE = 192 ** -0.5
 TABLE_HEADS = (16, 128)  # the table's head counts and query lengths (--heads, --q-lens)
 TABLE_Q_LENS = (1, 4)
+ROOFLINE_TARGET_TOKENS = 128 * 1024  # batch x seq_len from which a memory-bound row has the 0.8-roofline target
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
@@ -318,7 +319,7 @@ def targets(row: dict, tokens: int, memory_bound: bool) -> str:
     if not math.isnan(row["fa3_frac"]):
         need = 2.0 if row["fa3_frac"] < 0.4 else 0.9
         met.append((f"{need:g}x", row["speedup_vs_fa3"] >= need))
-    if memory_bound and tokens >= 128 * 1024:
+    if memory_bound and tokens >= ROOFLINE_TARGET_TOKENS:
         met.append(("0.8roof", row["frac_roofline"] >= 0.8))
     return " ".join(f"{name}:{'yes' if ok else 'no'}" for name, ok in met) or "-"
 

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from attn import triton_mla_wgmma
 from attn.triton_mla_plan import MAX_ROWS, KernelConfig, LaunchPlan, TileShape, launch_config, next_pow2, select_config
-from benchmarks.mla_kernels import (COLUMNS, TABLE_HEADS, TABLE_Q_LENS, Case, copy_bandwidth, graph_time_us,
-                                    graph_times_us, print_row)
+from benchmarks.mla_kernels import (COLUMNS, ROOFLINE_TARGET_TOKENS, TABLE_HEADS, TABLE_Q_LENS, Case, copy_bandwidth,
+                                    graph_time_us, graph_times_us, print_row)
 
 _BREAKDOWN_GRID = 128  # programs of the empty launch that --breakdown times as the floor
 # The shape and plan columns of the table, then the times of --breakdown.
@@ -60,6 +60,10 @@ def sweep(bandwidth: float) -> None:
 
 
 PLAN_SEARCH_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# The latency-bound shapes of the table (below ROOFLINE_TARGET_TOKENS, where FA3 sits below 0.4 of
+# the roofline): (batch, seq_len, q_len, heads).
+PLAN_SEARCH_SHAPES = [shape for shape in itertools.product([1, 8, 32], [1024, 4096, 16384], TABLE_Q_LENS, TABLE_HEADS)
+                      if shape[0] * shape[1] < ROOFLINE_TARGET_TOKENS]
 
 
 def alternative_launches(heads: int, seq_len: int, wgmma: bool,
@@ -80,13 +84,10 @@ def alternative_launches(heads: int, seq_len: int, wgmma: bool,
 
 
 def plan_search() -> None:
-    """On the latency-bound shapes of the table (batch x seq_len under 128k tokens: where FA3 sits
-    below 0.4 of the roofline), time plan_launch's launch against alternative_launches' and print
-    the planned launch next to the fastest three (their outputs checked like the table's)."""
+    """On PLAN_SEARCH_SHAPES, time plan_launch's launch against alternative_launches' and print the
+    planned launch next to the fastest three (their outputs checked like the table's)."""
     print("\nplan search: the planned launch against every tile x split count (us; tile splits kernel)")
-    shapes = [shape for shape in itertools.product([1, 8, 32], [1024, 4096, 16384], TABLE_Q_LENS, TABLE_HEADS)
-              if shape[0] * shape[1] < 128 * 1024]
-    for shape in shapes:
+    for shape in PLAN_SEARCH_SHAPES:
         case = Case(*shape)
         plan, config = case.plan()
         wgmma = triton_mla_wgmma.supports(case.q, case.kv_pool[0])
