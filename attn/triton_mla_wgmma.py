@@ -109,6 +109,21 @@ us at one split, 80.1 at 2, 91.0 at 4; 32 x 4k x q_len 4 66.1 at 4 splits, 75.4 
 exits out would take programs claiming kv tiles at run time: among a request's splits (a partial
 each, as now), which evens out only as many SMs as a request has splits, or across requests, where
 each stolen run of tiles needs the other request's query tile and a partial and merge of its own.
+
+Where a latency-bound split launch's time goes (H200, graphs; a build that stored %globaltimer at
+points of every program of this kernel and of the reduce; medians, microseconds from the first
+program's start). 1 x 4k x 128 heads (64 splits, 128 programs of one kv tile each), 11.4 us a
+call: programs start 0.9 us after the previous call's reduce stored its last row, are past the
+dependent-launch wait at 0.4 and have their metadata at 0.6, issue the query and kv copies at 1.1;
+the query lands at 1.4, the kv tile at 2.7. Its QK^T, softmax and PV end at 4.7 (2.0 us, of which
+its MMAs take 1.2 at the SM's peak rate). Storing the 64 KB of 16-bit partials a program holds
+takes until 6.5-7.1 (the last 7.9); the reduce's programs start at 8.9 and have read the partials
+at 10.8 (the last 11.1). With 1 x 4k x 16 heads x q_len 4 (64 programs) and 1 x 1k x 128 heads x
+q_len 4 (128) too: a warpgroup's half of the 64 KB takes 1.6-2.5 us to store, 0.9-1.0 us pass from
+the last store to the reduce's start, and the reduce takes 1.4-1.9 us (the last 1.9-2.3). So at one
+or two kv tiles a program, the partials' round trip through L2 and the two launch boundaries cost as
+much as the attention; fewer bytes of partials means fewer splits, each program then walking more
+tiles, which is the trade-off the split planning (and benchmarks/mla_tuning.py --plan-search) weighs.
 """
 
 from __future__ import annotations
