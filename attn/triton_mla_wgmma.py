@@ -124,6 +124,14 @@ the last store to the reduce's start, and the reduce takes 1.4-1.9 us (the last 
 or two kv tiles a program, the partials' round trip through L2 and the two launch boundaries cost as
 much as the attention; fewer bytes of partials means fewer splits, each program then walking more
 tiles, which is the trade-off the split planning (and benchmarks/mla_tuning.py --plan-search) weighs.
+An SM's stores are near its own limit there: a plain kernel storing 64 KB of bf16 rows a program
+from registers takes 1.1 us to issue them alone, 1.25 (median) with 128 programs at once. Of the
+half's store in this kernel, the staging through shared memory takes 0.5-0.6 us and the stores
+1.2-1.7. Measured and dropped (H200, graphs, one process): the lse stored ahead of the rows, off
+the tail of the store queue (1.4-3.4% slower on 11 of 12 split launches: its layout conversions
+then delay the rows); that and the row sums published at the last tile's softmax, so that
+warpgroup 1 stores without waiting for warpgroup 0's PV (2-5% slower on 20 of 21 launches, one-split
+ones too: the branch in the kv loop).
 """
 
 from __future__ import annotations
