@@ -36,7 +36,7 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
   exact and one instruction a pair, where bf16 needs several): warpgroup 0 latent columns 0-255
   (``w0_read``), warpgroup 1 the rest (``widened``) once warpgroup 0's PV of the tile before is
   off the stage; warpgroup 1 then refills the slot. Warpgroup 0 rewrites a bf16 query tile as fp16
-  times Q_FP16_SCALE (_query_to_fp16) and divides the score scale by it. H100, against the Triton
+  times Q_FP16_SCALE (attn/triton_mla_wgmma_fp8.py) and divides the score scale by it. H100, against the Triton
   tile that served fp8 before (and bf16 on this tile): 128 x 4k x 16 heads x q_len 4 400.8 ->
   173.7 us (211.8), 8 x 16k x 16 heads x q_len 4 117.4 -> 52.8 (65.0), 32 x 4k x 128 heads 196.9
   -> 93.5 (72.8), 8 x 4k x 128 heads x q_len 4 200.4 -> 91.6 (64.1). Measured and dropped:
@@ -131,16 +131,16 @@ half's store in this kernel, the staging through shared memory takes 0.5-0.6 us 
 the tail of the store queue (1.4-3.4% slower on 11 of 12 split launches: its layout conversions
 then delay the rows); that and the row sums published at the last tile's softmax, so that
 warpgroup 1 stores without waiting for warpgroup 0's PV (2-5% slower on 20 of 21 launches, one-split
-ones too: the branch in the kv loop).
+ones too, presumably from the branch it adds to the kv loop; it also failed a GPU test over an fp8
+cache, which went unexamined).
 """
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
+from attn.triton_mla_wgmma_fp8 import QUERY_SCALE, query_to_fp16, widen_half
 from attn.triton_mla_tma import flat_rows
 
 try:
@@ -165,12 +165,6 @@ D_PE = 64
 # The same sizes as kernel-visible constants; each warpgroup accumulates half of the output dims.
 _constexpr = gl.constexpr if gluon is not None else (lambda value: value)
 _BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _constexpr(D_PE), _constexpr(D_NOPE // 2)
-# A bf16 query scaled into fp16 (for an fp8 cache): exact for magnitudes 2^-6 to 2^24; below,
-# absolute error under 2^-16 (bf16's own rounding of a value near 1 is 2^-9).
-Q_FP16_SCALE = 2.0 ** -8
-_Q_FP16_SCALE = _constexpr(Q_FP16_SCALE)
-# The same scale as a PTX fp32 literal (0f + its bits), for _scaled_fp16.
-_SCALE_PTX = _constexpr(f"mul.rn.f32 $0, $1, 0f{struct.unpack('<I', struct.pack('<f', Q_FP16_SCALE))[0]:08X};")
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -307,49 +301,6 @@ def _staging(smem, dtype: gl.constexpr):
 
 
 @_jit
-def _widen_half(src_nope, src_pe, dst_nope, dst_pe, HALF: gl.constexpr):
-    """Latent columns [HALF * 256, HALF * 256 + 256) of an fp8 kv tile ([BLOCK_N, 512] + [BLOCK_N,
-    64] in its landing slot) into the 16-bit compute stage, 128 (one swizzle row of the slot, 64
-    values a thread) at a time; half 1 also the rope columns. Then fenced for the wgmma and
-    synchronised across the warpgroup."""
-    nope_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
-                                                 warps_per_cta=[4, 1], order=[1, 0])
-    pe_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                               warps_per_cta=[4, 1], order=[1, 0])
-    for c in gl.static_range(_D_HALF // 128):
-        part = src_nope.slice(HALF * _D_HALF + c * 128, 128, dim=1).load(nope_layout)
-        dst_nope.slice(HALF * _D_HALF + c * 128, 128, dim=1).store(part.to(dst_nope.dtype))
-    if HALF == 1:
-        dst_pe.store(src_pe.load(pe_layout).to(dst_pe.dtype))
-    fence_async_shared()  # before a wgmma reads it
-    gl.thread_barrier()
-
-
-@_jit
-def _scaled_fp16(x):
-    """x * Q_FP16_SCALE in fp16, scaled in fp32 first: as plain code the compiler moved the
-    multiply after the narrowing, where values over 65504 overflow."""
-    scaled = gl.inline_asm_elementwise(_SCALE_PTX, "=r,r", [x.to(gl.float32)],
-                                       dtype=gl.float32, is_pure=True, pack=1)
-    return scaled.to(gl.float16)
-
-
-@_jit
-def _query_to_fp16(q_nope_smem, q_pe_smem, layout: gl.constexpr):
-    """Rewrite a 16-bit query tile in place as fp16 times Q_FP16_SCALE; returns its fp16 views."""
-    nope = q_nope_smem._reinterpret(gl.float16, q_nope_smem.shape, q_nope_smem.layout)
-    pe = q_pe_smem._reinterpret(gl.float16, q_pe_smem.shape, q_pe_smem.layout)
-    # Each thread rewrites only the values it read.
-    for c in gl.static_range(_D_NOPE // 64):
-        part = q_nope_smem.slice(c * 64, 64, dim=1).load(layout)
-        nope.slice(c * 64, 64, dim=1).store(_scaled_fp16(part))
-    pe.store(_scaled_fp16(q_pe_smem.load(layout)))
-    fence_async_shared()  # before the wgmma reads it
-    gl.thread_barrier()
-    return nope, pe
-
-
-@_jit
 def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, ready, land_nope, land_pe, landed,
                        w0_read, p_ready, a_free, done, row_smem, mask_ptr, b, stride_mb, stride_mq,
                        q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
@@ -387,8 +338,8 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
     # Also where there are no tiles: the query tile is the staging of the stores at the end.
     mbarrier.wait(q_ready, 0)
     if q_nope_smem.dtype != dtype:  # the fp16 stages of an fp8 cache
-        q_nope_op, q_pe_op = _query_to_fp16(q_nope_smem, q_pe_smem, zero_layout)
-        qk_scale = qk_scale / _Q_FP16_SCALE
+        q_nope_op, q_pe_op = query_to_fp16(q_nope_smem, q_pe_smem, zero_layout)
+        qk_scale = qk_scale / QUERY_SCALE
     else:
         q_nope_op = q_nope_smem
         q_pe_op = q_pe_smem
@@ -400,7 +351,7 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
         if KV_FP8:
             slot = j % NUM_LOADS
             mbarrier.wait(landed.index(slot), (j // NUM_LOADS) & 1)
-            _widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope, kv_pe, 0)
+            widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope, kv_pe, 0)
             mbarrier.arrive(w0_read.index(slot), count=1)
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         if start + _BLOCK_N > kv_len:
@@ -480,7 +431,7 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
         if KV_FP8:
             mbarrier.wait(ready.index(slot), (j // NUM_LOADS) & 1)
             mbarrier.wait(a_free.index(stage), (j - 1) & 1, pred=j > 0)
-            _widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope_smem.index(stage),
+            widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope_smem.index(stage),
                         kv_pe_smem.index(stage), 1)
             mbarrier.arrive(widened.index(stage), count=1)
             mbarrier.wait(w0_read.index(slot), (j // NUM_LOADS) & 1)
