@@ -36,10 +36,11 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
   exact and one instruction a pair, where bf16 needs several): warpgroup 0 latent columns 0-255
   (``w0_read``), warpgroup 1 the rest (``widened``) once warpgroup 0's PV of the tile before is
   off the stage; warpgroup 1 then refills the slot. Warpgroup 0 rewrites a bf16 query tile as fp16
-  times Q_FP16_SCALE (attn/triton_mla_wgmma_fp8.py) and divides the score scale by it. H100, against the Triton
-  tile that served fp8 before (and bf16 on this tile): 128 x 4k x 16 heads x q_len 4 400.8 ->
-  173.7 us (211.8), 8 x 16k x 16 heads x q_len 4 117.4 -> 52.8 (65.0), 32 x 4k x 128 heads 196.9
-  -> 93.5 (72.8), 8 x 4k x 128 heads x q_len 4 200.4 -> 91.6 (64.1). Measured and dropped:
+  times Q_FP16_SCALE and divides the score scale by it (attn/triton_mla_wgmma_fp8.py). H100,
+  against the Triton tile that served fp8 before (and bf16 on this tile): 128 x 4k x 16 heads x
+  q_len 4 400.8 -> 173.7 us (211.8), 8 x 16k x 16 heads x q_len 4 117.4 -> 52.8 (65.0), 32 x 4k x
+  128 heads 196.9 -> 93.5 (72.8), 8 x 4k x 128 heads x q_len 4 200.4 -> 91.6 (64.1). Measured and
+  dropped:
   widening by warpgroup 1 alone (32 x 4k x 128 heads 100.1 us); QK^T by parts as they are widened
   (109.8); widening to bf16 (125.3 by bit moves and a bf16 multiply, 140.1 by Triton's cast).
 
