@@ -40,9 +40,9 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
   against the Triton tile that served fp8 before (and bf16 on this tile): 128 x 4k x 16 heads x
   q_len 4 400.8 -> 173.7 us (211.8), 8 x 16k x 16 heads x q_len 4 117.4 -> 52.8 (65.0), 32 x 4k x
   128 heads 196.9 -> 93.5 (72.8), 8 x 4k x 128 heads x q_len 4 200.4 -> 91.6 (64.1). Measured and
-  dropped:
-  widening by warpgroup 1 alone (32 x 4k x 128 heads 100.1 us); QK^T by parts as they are widened
-  (109.8); widening to bf16 (125.3 by bit moves and a bf16 multiply, 140.1 by Triton's cast).
+  dropped: widening by warpgroup 1 alone (32 x 4k x 128 heads 100.1 us); QK^T by parts as they are
+  widened (109.8); widening to bf16 (125.3 by bit moves and a bf16 multiply, 140.1 by Triton's
+  cast).
 
 Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
 SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
