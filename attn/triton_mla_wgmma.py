@@ -141,8 +141,8 @@ from __future__ import annotations
 import torch
 
 from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
-from attn.triton_mla_wgmma_fp8 import QUERY_SCALE, query_to_fp16, widen_half
 from attn.triton_mla_tma import flat_rows
+from attn.triton_mla_wgmma_fp8 import QUERY_SCALE, query_to_fp16, widen_half
 
 try:
     from triton.experimental import gluon
