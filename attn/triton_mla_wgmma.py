@@ -296,7 +296,11 @@ def _staging(smem, dtype: gl.constexpr):
     graphs, one process): the 128-byte swizzle of a wgmma operand instead, which ptxas stores by
     stmatrix (16 a thread, not 64 4-byte stores): 0.7-1.7% faster on 8 latency-bound split
     launches (0.1-0.2 us), 0.8-1.5% slower on 3 of 4 larger ones (128 x 4k x 16 heads x q_len 4
-    158.1 -> 160.5 us)."""
+    158.1 -> 160.5 us). Not tried: the conversion in registers. Triton 3.6 lowers a
+    convert_layout from the wgmma layout to 8 dims a thread through shared memory as well, though
+    both layouts give each warp the same rows (seen in the sm_90a PTX); by hand it is a transpose
+    within each 4-lane quad by shuffles whose sources and targets depend on the lane (~500
+    instructions a thread for its half), which could save at most ~0.3 us of the staging's 0.5-0.6."""
     layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[_D_HALF, 8]], [_BLOCK_M, _D_HALF], [1, 0])
     return smem._reinterpret(dtype, [_BLOCK_M, _D_HALF], layout)
 
