@@ -105,10 +105,12 @@ class EagleWorker:
         prompts: token ids (ints) per request; max_new_tokens >= 1 (the prefill's token is the
         first); eos_token_id: one id or None. sampling: one SamplingParams per prompt (default greedy;
         no seed: a fresh one each, in Request.sampling); temperature > 0 needs
-        ``SpecConfig.enable_sampling``. Validates everything first: a bad request raises and changes
-        nothing; a failure while prefilling (out of memory) releases the new requests' pages and rows
-        and leaves the running batch as it was. Not while a step is in flight (between launch_step
-        and finish_step).
+        ``SpecConfig.enable_sampling``. Validates everything first: a bad request (one that
+        max_context_len or a pool's pages could not hold at its last step too) raises and changes
+        nothing. The new requests take the pages of their prefill and first step (_admission_needs),
+        else OutOfPagesError, changing nothing; a failure while prefilling (out of memory) releases
+        the new requests' pages and rows and leaves the running batch as it was. Not while a step
+        is in flight (between launch_step and finish_step).
         """
         self.check_idle("add_requests")
         if len(prompts) == 0:  # (a numpy array of prompts has no truth value)
@@ -146,11 +148,19 @@ class EagleWorker:
                     f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens}{headroom} exceed max_context_len "
                     f"{cfg.max_context_len}; raise max_context_len or shorten the request"
                 )
+            for (pool, _, longest), name in zip(self._admission_needs(len(prompt), max_new_tokens), ("target", "draft")):
+                # Else it could never finish: its own growth would run the pool out with nothing else running.
+                if pool.pages_for(longest) > pool.num_pages - 1:
+                    raise ValueError(
+                        f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} needs "
+                        f"{pool.pages_for(longest)} KV pages of the {name} pool at its last step, which has "
+                        f"{pool.num_pages - 1}; raise SpecConfig.num_pages or shorten the request"
+                    )
         try:
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         except OutOfPagesError:
             # The running requests' grow-ahead pages come back first, as they do for a growing request.
-            if not self._trim_grow_ahead(prompts):
+            if not self._trim_grow_ahead(prompts, max_new_tokens):
                 raise
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         try:
@@ -187,13 +197,25 @@ class EagleWorker:
                               params)
                 new.append(req)
                 req.draft_row = self.draft_pool.alloc_request()
-                self.target_pool.ensure_capacity(req.target_row, len(prompt))
-                self.draft_pool.ensure_capacity(req.draft_row, len(prompt) + self.draft_offset)
+                for (pool, first, _), row in zip(self._admission_needs(len(prompt), max_new_tokens),
+                                                 (req.target_row, req.draft_row)):
+                    pool.ensure_capacity(row, first)
         except BaseException:
             for req in new:
                 self._release(req)
             raise
         return new
+
+    def _admission_needs(self, prompt_len: int, max_new_tokens: int) -> list[tuple[MLAKVPool, int, int]]:
+        """(pool, first, longest) of the target and the draft pool for a new request: the positions
+        its pages hold from admission on (its prefill and, if it takes spec steps, its first step,
+        so an admitted request's first step never runs short) and at its last possible step."""
+        prefill = (prompt_len, prompt_len + self.draft_offset)
+        pools = (self.target_pool, self.draft_pool)
+        if max_new_tokens == 1:  # the prefill's token is its only one
+            return [(pool, n, n) for pool, n in zip(pools, prefill)]
+        last_n = prompt_len + max_new_tokens - 2
+        return [(pool, prompt_len + extra, last_n + extra) for pool, extra in zip(pools, self._step_extras())]
 
     def _release(self, req: Request) -> None:
         if req.target_row >= 0:
@@ -307,6 +329,8 @@ class EagleWorker:
         finished, with the tokens emitted so far, and their KV pages and rows return to the pools.
         Requests already finished are left as they are. Not while a step is in flight."""
         self.check_idle("abort")
+        if isinstance(requests, Request):
+            raise TypeError("abort takes a list of requests: abort([request])")
         stop = {id(r) for r in requests}
         self._finish_rows([i for i, r in enumerate(self.requests) if id(r) in stop])
 
@@ -356,9 +380,9 @@ class EagleWorker:
     def _page_room(self, h: BatchHost) -> np.ndarray:
         """``[B]`` the largest N at which each request's pages in both pools still hold a step's
         verify tree and draft region."""
-        cfg = self.config
-        return np.minimum(self.target_pool.capacity[h.target_row] - cfg.num_draft_tokens,
-                          self.draft_pool.capacity[h.draft_row] - self.draft_offset - cfg.draft_region_len)
+        target_extra, draft_extra = self._step_extras()
+        return np.minimum(self.target_pool.capacity[h.target_row] - target_extra,
+                          self.draft_pool.capacity[h.draft_row] - draft_extra)
 
     def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
         """(state, target rows ``[B]``, draft rows ``[B]``) of the running batch; the rows are
@@ -453,19 +477,25 @@ class EagleWorker:
     def _pool_needs(self, h: BatchHost):
         """(pool, rows, need, most) of the target and the draft pool: each running request's row,
         the tokens its pages must hold for its next step (``[B]``), and for its last possible one."""
-        cfg = self.config
-        for pool, rows, extra in ((self.target_pool, h.target_row, cfg.num_draft_tokens),
-                                  (self.draft_pool, h.draft_row, self.draft_offset + cfg.draft_region_len)):
+        target_extra, draft_extra = self._step_extras()
+        for pool, rows, extra in ((self.target_pool, h.target_row, target_extra),
+                                  (self.draft_pool, h.draft_row, draft_extra)):
             yield pool, rows, h.seq_len + extra, h.last_n + extra
 
-    def _trim_grow_ahead(self, prompts: list[list[int]]) -> bool:
+    def _step_extras(self) -> tuple[int, int]:
+        """Positions past N that a step at N writes: the target's (the verify tree) and the draft's
+        (its offset and the draft region)."""
+        return self.config.num_draft_tokens, self.draft_offset + self.config.draft_region_len
+
+    def _trim_grow_ahead(self, prompts: list[list[int]], max_new_tokens: int) -> bool:
         """Where the pages the running requests hold past their next step (grow-ahead) would
-        make room for ``prompts`` in both pools, take them back and return True; else change
-        nothing and return False."""
+        make room for ``prompts`` (_admission_needs) in both pools, take them back and return
+        True; else change nothing and return False."""
         h = self._batch_host()
         pools = list(self._pool_needs(h))
-        for (pool, rows, need, _), offset in zip(pools, (0, self.draft_offset)):
-            wanted = sum(pool.pages_for(len(prompt) + offset) for prompt in prompts)
+        needs = [self._admission_needs(len(prompt), max_new_tokens) for prompt in prompts]
+        for i, (pool, rows, need, _) in enumerate(pools):
+            wanted = sum(pool.pages_for(request[i][1]) for request in needs)
             if pool.num_free_pages + pool.spare_pages(rows, need) < wanted:
                 return False
         for pool, rows, need, _ in pools:

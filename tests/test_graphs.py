@@ -47,19 +47,37 @@ def test_static_inputs_pad_rows_harmlessly():
     assert [t.shape[0] for t in static.view(4).values()] == [4, 4, 4]
 
 
-def test_uncapturable_backend_refused():
-    class FakeWorker:  # only what the runner inspects before capturing
-        config = SpecConfig()
+def fake_worker(capturable: bool, config: SpecConfig):
+    """Only what the runner inspects before capturing."""
+    class FakeWorker:
         device = torch.device("cuda")
-        verify_backend = type("B", (), {"name": "some_mla", "supports_cuda_graph": False})()
+        verify_backend = type("B", (), {"name": "some_mla", "supports_cuda_graph": capturable})()
         draft_extend_backend = verify_backend
         draft_backend = type("M", (), {"steps": []})()
 
         def check_idle(self, call):
             pass
 
+    worker = FakeWorker()
+    worker.config = config
+    return worker
+
+
+def test_uncapturable_backend_refused():
     with pytest.raises(ValueError, match="some_mla.*cannot be captured"):
-        GraphRunner(FakeWorker())
+        GraphRunner(fake_worker(False, SpecConfig()))
+
+
+@pytest.mark.parametrize("batch_sizes, message", [
+    ([1, 8], r"must lie in \[1, max_batch_size=4\], got \[1, 8\]"),
+    ([0, 4], r"must lie in \[1, max_batch_size=4\], got \[0, 4\]"),
+    ([1, 2], r"largest CUDA-graph batch size \(2\) is below max_batch_size \(4\).*or pass eager_fallback=True"),
+    ([], "batch_sizes is empty"),
+])
+def test_buckets_refused_before_any_capture(batch_sizes, message):
+    """Buckets the runner cannot serve are refused up front, naming what to change."""
+    with pytest.raises(ValueError, match=message):
+        GraphRunner(fake_worker(True, SpecConfig(max_batch_size=4)), batch_sizes=batch_sizes)
 
 
 @pytest.mark.parametrize("topk,ndt,mode", [(1, None, "eagle"), (2, 6, "eagle"), (3, 8, "standalone")])

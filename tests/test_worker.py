@@ -247,6 +247,8 @@ def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     reqs = worker.add_requests(group, 12)
     worker.step()
     emitted = list(reqs[1].output)
+    with pytest.raises(TypeError, match=r"a list of requests: abort\(\[request\]\)"):
+        worker.abort(reqs[1])
     worker.abort([reqs[1]])
     worker.abort([reqs[1]])  # no longer running: nothing to do
     assert reqs[1].finished and reqs[1].output == emitted and worker.requests == [reqs[0], reqs[2]]

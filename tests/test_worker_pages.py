@@ -76,12 +76,12 @@ def test_admission_takes_back_grow_ahead_pages(target, mtp):
     cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=12)
     worker = EagleWorker(target, mtp, cfg)
     early, = worker.add_requests([[1, 2, 3]], 30)
-    for _ in range(2):
+    for _ in range(5):
         worker.step()
-    assert free_pages(worker) == (7, 7)  # 11 pages a pool: 2 for the next step, 2 ahead
-    late_prompt = list(range(1, 33))  # 8 pages a pool
+    assert free_pages(worker) == (6, 6)  # 11 pages a pool: 3 for the next step, 2 ahead
+    late_prompt = list(range(1, 31))  # 8 pages a pool with its first step's 2 positions
     late, = worker.add_requests([late_prompt], 2)
-    assert free_pages(worker) == (1, 1)
+    assert free_pages(worker) == (0, 0)
     drain(worker)
     assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
     assert late.output == greedy_generate(target, [late_prompt], 2)[0]
@@ -97,15 +97,55 @@ def test_standalone_admission_counts_the_draft_pools_extra_position(target):
                      num_pages=12)
     worker = EagleWorker(target, StandaloneDraft(target), cfg)
     early, = worker.add_requests([[1, 2, 3]], 30)
-    for _ in range(2):
+    for _ in range(3):
         worker.step()
-    assert free_pages(worker) == (7, 7)  # and one page ahead a pool
+    assert free_pages(worker) == (6, 6)  # and two pages ahead a pool
     with pytest.raises(OutOfPagesError):
-        worker.add_requests([list(range(1, 33))], 2)  # 8 target pages, 9 draft pages
-    assert free_pages(worker) == (7, 7)  # the refused call took no page back
+        worker.add_requests([list(range(1, 31))], 2)  # with its first step: 8 target pages, 9 draft pages
+    assert free_pages(worker) == (6, 6)  # the refused call took no page back
     drain(worker)
     assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
     assert free_pages(worker) == (11, 11) and padding_pages_untouched(worker)
+
+
+def test_admission_holds_the_first_steps_pages(target, mtp):
+    """A request is admitted only with the pages of its first step (it held its prompt's, and the
+    next step then raised OutOfPagesError): refused, it changes nothing; the running request
+    finishes, and then it fits."""
+    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=12)
+    worker = EagleWorker(target, mtp, cfg)
+    early, = worker.add_requests([[1, 2, 3]], 4)  # its last step needs 2 pages a pool
+    assert free_pages(worker) == (9, 9)
+    late_prompt = list(range(1, 37))  # 9 pages a pool; with its first step's 2 positions, 10
+    with pytest.raises(OutOfPagesError):
+        worker.add_requests([late_prompt], 2)
+    assert free_pages(worker) == (9, 9) and worker.requests == [early]
+    drain(worker)
+    late, = worker.add_requests([late_prompt], 2)
+    assert [worker.target_pool.capacity[late.target_row], worker.draft_pool.capacity[late.draft_row]] == [40, 40]
+    drain(worker)
+    assert early.output == greedy_generate(target, [[1, 2, 3]], 4)[0]
+    assert late.output == greedy_generate(target, [late_prompt], 2)[0]
+    assert free_pages(worker) == (11, 11) and padding_pages_untouched(worker)
+
+
+def test_a_request_longer_than_the_pool_is_refused(target, mtp):
+    """A request whose last step needs more pages than a pool has could never finish (alone, its
+    own growth would run the pool out): refused with a ValueError naming num_pages, before anything
+    changes. One page less is admitted, and runs to its end."""
+    cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=3, max_context_len=64, num_pages=12)
+    worker = EagleWorker(target, mtp, cfg)
+    running, = worker.add_requests([[1, 2, 3]], 4)
+    free = free_pages(worker)
+    with pytest.raises(ValueError, match="needs 12 KV pages of the target pool at its last step, which has 11; "
+                                         "raise SpecConfig.num_pages"):
+        worker.add_requests([[5], [5, 6]], 43)  # [5, 6]'s last step at N = 43 writes up to 45 ([5]: 44)
+    assert free_pages(worker) == free and worker.requests == [running]
+    drain(worker)
+    longest, = worker.add_requests([[5, 6]], 42)  # up to 44: 11 pages
+    drain(worker)
+    assert running.output == greedy_generate(target, [[1, 2, 3]], 4)[0]
+    assert longest.output == greedy_generate(target, [[5, 6]], 42)[0]
 
 
 @pytest.mark.parametrize("draft_mode,topk,num_steps,ndt", [
