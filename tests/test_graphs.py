@@ -18,6 +18,7 @@ from specdec.baseline import GreedyDecoder, greedy_generate
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.models import DeepseekV3ForCausalLM
+from specdec.sampling import SamplingParams
 from specdec.kv import PADDING_ROW
 from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, make_models, prompts, reference, run_to_completion, tiny_config
@@ -144,11 +145,12 @@ def test_a_step_replays_the_smallest_kv_bound_holding_its_longest_request():
 GPU_BACKENDS = ["torch_ref", "triton_mla", "flashinfer_mla"]
 
 
-def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4, device="cuda"):
+def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4, device="cuda", draft_mode="eagle", **config):
     target, mtp = make_models(device, torch.float32)
+    draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
     cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16",
-                     page_size=16, max_batch_size=max_bs, max_context_len=256)
-    return target, EagleWorker(target, mtp, cfg)
+                     page_size=16, max_batch_size=max_bs, max_context_len=256, draft_mode=draft_mode, **config)
+    return target, EagleWorker(target, draft, cfg)
 
 
 def _pad(live: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
@@ -442,10 +444,32 @@ def test_whole_step_has_no_host_sync(backend, graphs, topk):
     for i in range(6):
         if i == 3:
             worker.add_requests(prompts(1, seed=6), 20)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            result = worker.launch_step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        worker.finish_step(result)
+        _launch_without_sync(worker)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampled_standalone_steps_have_no_host_sync(graphs):
+    """As above with tree rejection sampling (temperature, top-p, top-k) over a standalone draft's
+    topk 2 trees, a join and an abort between steps."""
+    _, worker = gpu_worker("triton_mla", topk=2, ndt=6, draft_mode="standalone", enable_sampling=True)
+    if graphs:
+        GraphRunner(worker, [1, 2, 4], progress=False)
+    running = worker.add_requests(prompts(2, seed=5), 40, sampling=[SamplingParams(0.8, 0.9, 20)] * 2)
+    for i in range(6):
+        if i == 2:
+            worker.add_requests(prompts(1, seed=6), 20, sampling=[SamplingParams(1.0)])
+        if i == 4:
+            worker.abort(running[:1])
+        _launch_without_sync(worker)
+
+
+def _launch_without_sync(worker) -> None:
+    """One step whose launch_step runs under torch's sync debug mode set to raise."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = worker.launch_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    worker.finish_step(result)
