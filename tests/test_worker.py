@@ -240,6 +240,35 @@ def test_nothing_changes_the_batch_while_a_step_is_in_flight(target, mtp):
     assert [r.output for r in reqs] == greedy_generate(target, group, 10)
 
 
+@pytest.mark.parametrize("topk,ndt,draft_masks", [(2, 6, [(3, 2, 2), (3, 2, 4)]), (1, None, [None, None])])
+def test_tree_mask_buffers_are_compact_and_preallocated(target, mtp, topk, ndt, draft_masks):
+    """The verify pass's mask is [max_bs, ndt, ndt] bool (the prefix is always visible), a topk > 1
+    draft step's [max_bs, topk, step * topk]; with topk 1 the verify block is causal and no pass
+    has a mask buffer."""
+    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, max_batch_size=3, max_context_len=64)
+    worker = EagleWorker(target, mtp, cfg)
+    verify, = worker.verify_backend.get_verify_buffers_to_fill_after_draft()
+    steps = [step.get_verify_buffers_to_fill_after_draft()[0] for step in worker.draft_backend.steps]
+    if topk > 1:
+        assert verify.dtype == torch.bool and verify.shape == (3, 6, 6)
+        assert all(m.dtype == torch.bool for m in steps) and [tuple(m.shape) for m in steps] == draft_masks
+    else:
+        assert verify is None and steps == draft_masks
+
+
+def test_tokens_go_to_the_host_before_draft_extend(target, mtp, monkeypatch):
+    """launch_step enqueues the copy of the emitted tokens right after verify, before draft-extend,
+    so finish_step's wait overlaps the draft-extend still running on the device."""
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=2, max_context_len=64))
+    worker.add_requests(prompts(2, seed=18), 8)
+    order = []
+    copy, extend = worker._emitted.enqueue, worker.draft_extend
+    monkeypatch.setattr(worker._emitted, "enqueue", lambda *a, **k: (order.append("copy"), copy(*a, **k))[1])
+    monkeypatch.setattr(worker, "draft_extend", lambda *a, **k: (order.append("draft_extend"), extend(*a, **k))[1])
+    worker.step()
+    assert order == ["copy", "draft_extend"]
+
+
 def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
     free = free_pages(worker)
