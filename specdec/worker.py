@@ -27,6 +27,7 @@ from specdec.device import on_device
 from specdec.draft import DraftModel, check_draft
 from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
+from specdec.pages import BatchPages
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample, with_seeds
 from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats
 from specdec.tree import VerifyTree, start_tree, topk_probs
@@ -67,6 +68,8 @@ class EagleWorker:
                              config.max_context_len, kv_dtype, self.device, config.kv_scale)
 
         self.target_pool, self.draft_pool = pool(target.num_attention_layers), pool(draft.num_attention_layers)
+        self.pages = BatchPages(self.target_pool, self.draft_pool, config.num_draft_tokens, self.draft_offset,
+                                config.draft_region_len)
         classes = choice.classes()
         bs, ndt, steps, topk = config.max_batch_size, config.num_draft_tokens, config.num_steps, config.topk
         tview, dview = self.target_pool.view(), self.draft_pool.view()
@@ -107,7 +110,7 @@ class EagleWorker:
         no seed: a fresh one each, in Request.sampling); temperature > 0 needs
         ``SpecConfig.enable_sampling``. Validates everything first: a bad request (one that
         max_context_len or a pool's pages could not hold at its last step too) raises and changes
-        nothing. The new requests take the pages of their prefill and first step (_admission_needs),
+        nothing. The new requests take the pages of their prefill and first step (BatchPages.admission),
         else OutOfPagesError, changing nothing; a failure while prefilling (out of memory) releases
         the new requests' pages and rows and leaves the running batch as it was. Not while a step
         is in flight (between launch_step and finish_step).
@@ -148,19 +151,12 @@ class EagleWorker:
                     f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens}{headroom} exceed max_context_len "
                     f"{cfg.max_context_len}; raise max_context_len or shorten the request"
                 )
-            for (pool, _, longest), name in zip(self._admission_needs(len(prompt), max_new_tokens), ("target", "draft")):
-                # Else it could never finish: its own growth would run the pool out with nothing else running.
-                if pool.pages_for(longest) > pool.num_pages - 1:
-                    raise ValueError(
-                        f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} needs "
-                        f"{pool.pages_for(longest)} KV pages of the {name} pool at its last step, which has "
-                        f"{pool.num_pages - 1}; raise SpecConfig.num_pages or shorten the request"
-                    )
+            self.pages.check_fits(len(prompt), max_new_tokens)
         try:
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         except OutOfPagesError:
             # The running requests' grow-ahead pages come back first, as they do for a growing request.
-            if not self._trim_grow_ahead(prompts, max_new_tokens):
+            if not self.pages.trim_for(self._batch_host(), [len(p) for p in prompts], max_new_tokens):
                 raise
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         try:
@@ -197,25 +193,12 @@ class EagleWorker:
                               params)
                 new.append(req)
                 req.draft_row = self.draft_pool.alloc_request()
-                for (pool, first, _), row in zip(self._admission_needs(len(prompt), max_new_tokens),
-                                                 (req.target_row, req.draft_row)):
-                    pool.ensure_capacity(row, first)
+                self.pages.take((req.target_row, req.draft_row), len(prompt), max_new_tokens)
         except BaseException:
             for req in new:
                 self._release(req)
             raise
         return new
-
-    def _admission_needs(self, prompt_len: int, max_new_tokens: int) -> list[tuple[MLAKVPool, int, int]]:
-        """(pool, first, longest) of the target and the draft pool for a new request: the positions
-        its pages hold from admission on (its prefill and, if it takes spec steps, its first step,
-        so an admitted request's first step never runs short) and at its last possible step."""
-        prefill = (prompt_len, prompt_len + self.draft_offset)
-        pools = (self.target_pool, self.draft_pool)
-        if max_new_tokens == 1:  # the prefill's token is its only one
-            return [(pool, n, n) for pool, n in zip(pools, prefill)]
-        last_n = prompt_len + max_new_tokens - 2
-        return [(pool, prompt_len + extra, last_n + extra) for pool, extra in zip(pools, self._step_extras())]
 
     def _release(self, req: Request) -> None:
         if req.target_row >= 0:
@@ -374,15 +357,8 @@ class EagleWorker:
     def _batch_host(self) -> BatchHost:
         if self._batch is None:
             self._batch = BatchHost.of(self.requests, self.device)
-            self._batch.room = self._page_room(self._batch)
+            self._batch.room = self.pages.room(self._batch)
         return self._batch
-
-    def _page_room(self, h: BatchHost) -> np.ndarray:
-        """``[B]`` the largest N at which each request's pages in both pools still hold a step's
-        verify tree and draft region."""
-        target_extra, draft_extra = self._step_extras()
-        return np.minimum(self.target_pool.capacity[h.target_row] - target_extra,
-                          self.draft_pool.capacity[h.draft_row] - draft_extra)
 
     def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
         """(state, target rows ``[B]``, draft rows ``[B]``) of the running batch; the rows are
@@ -462,46 +438,8 @@ class EagleWorker:
         return result, hidden
 
     def _reserve_pages(self) -> None:
-        """Pages for the verify tree and the draft region past each request's prefix. A step
-        that crosses no page costs one comparison against the batch's page room; pool work is
-        only for the requests that cross one. A request that grows gets kv.GROW_AHEAD_PAGES more
-        pages while the pool has them, so the pool's req_to_token write (host work and a copy)
-        comes every few pages, not every page."""
-        h = self._batch_host()
-        if not (h.seq_len > h.room).any():
-            return
-        for pool, rows, need, most in self._pool_needs(h):
-            pool.grow(rows, need, most)
-        h.room = self._page_room(h)
-
-    def _pool_needs(self, h: BatchHost):
-        """(pool, rows, need, most) of the target and the draft pool: each running request's row,
-        the tokens its pages must hold for its next step (``[B]``), and for its last possible one."""
-        target_extra, draft_extra = self._step_extras()
-        for pool, rows, extra in ((self.target_pool, h.target_row, target_extra),
-                                  (self.draft_pool, h.draft_row, draft_extra)):
-            yield pool, rows, h.seq_len + extra, h.last_n + extra
-
-    def _step_extras(self) -> tuple[int, int]:
-        """Positions past N that a step at N writes: the target's (the verify tree) and the draft's
-        (its offset and the draft region)."""
-        return self.config.num_draft_tokens, self.draft_offset + self.config.draft_region_len
-
-    def _trim_grow_ahead(self, prompts: list[list[int]], max_new_tokens: int) -> bool:
-        """Where the pages the running requests hold past their next step (grow-ahead) would
-        make room for ``prompts`` (_admission_needs) in both pools, take them back and return
-        True; else change nothing and return False."""
-        h = self._batch_host()
-        pools = list(self._pool_needs(h))
-        needs = [self._admission_needs(len(prompt), max_new_tokens) for prompt in prompts]
-        for i, (pool, rows, need, _) in enumerate(pools):
-            wanted = sum(pool.pages_for(request[i][1]) for request in needs)
-            if pool.num_free_pages + pool.spare_pages(rows, need) < wanted:
-                return False
-        for pool, rows, need, _ in pools:
-            pool.trim_many(rows, need)
-        h.room = self._page_room(h)
-        return True
+        """Pages for every running request's next step (BatchPages.reserve)."""
+        self.pages.reserve(self._batch_host())
 
     def draft_tree(self, st: DecodeState, rows: torch.Tensor) -> VerifyTree:
         """num_steps - 1 draft forwards from the first candidates; returns the verify tree.
