@@ -332,10 +332,11 @@ def test_steps_from_a_thread_that_has_done_no_gpu_work(graphs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton_mla", "flashinfer_mla"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_a_worker_on_another_gpu_than_the_current_one(graphs):
+def test_a_worker_on_another_gpu_than_the_current_one(graphs, backend):
     """An engine driving two GPUs from one process: a worker on cuda:1, stepped while cuda:0 is
-    current, sends its Triton launches, event records and graph captures and replays to cuda:1
+    current, sends its kernel launches, event records and graph captures and replays to cuda:1
     (specdec.device.on_device), decodes what target-only decoding on cuda:1 does, and holds no
     memory on cuda:0. Needs two GPUs."""
     if torch.cuda.device_count() < 2:
@@ -343,7 +344,7 @@ def test_a_worker_on_another_gpu_than_the_current_one(graphs):
     torch.cuda.set_device(0)
     torch.cuda.reset_peak_memory_stats(0)  # the peak from here on: frees of earlier tests' tensors cannot hide an allocation
     held_on_0 = torch.cuda.memory_allocated(0)
-    target, worker = gpu_worker("triton_mla", device="cuda:1")
+    target, worker = gpu_worker(backend, device="cuda:1")
     if graphs:
         GraphRunner(worker, [1, 2, 4], progress=False)
     groups = [(prompts(2, seed=7), 24), (prompts(2, seed=8), 16)]
@@ -351,8 +352,8 @@ def test_a_worker_on_another_gpu_than_the_current_one(graphs):
     torch.cuda.synchronize(1)
     assert torch.cuda.current_device() == 0
     assert torch.cuda.max_memory_allocated(0) == held_on_0
-    with torch.cuda.device(1):  # the baseline's Triton launches take the current device
-        expected = reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
+    with torch.cuda.device(1):  # the baseline's kernel launches take the current device
+        expected = reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
     assert outputs == expected
 
 
