@@ -17,7 +17,12 @@ from specdec.sampling import SamplingParams
 @dataclass
 class Request:
     """Host-side view of one request: its prompt, the tokens emitted so far (``output``, the
-    prefill's token first) and its KV rows."""
+    prefill's token first) and its KV rows.
+
+    seq_len (N, the target's KV length while it runs: prompt and every output but the last) and
+    last_n (the N of its last possible step) are the worker's record, kept apart from output and
+    max_new_tokens: an engine may clear or trim ``output`` once it has streamed it, and editing the
+    other fields changes no decode (its limits were taken at admission)."""
 
     rid: int
     prompt: list[int]
@@ -28,12 +33,8 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     output: list[int] = field(default_factory=list)
     finished: bool = False
-
-    @property
-    def seq_len(self) -> int:
-        """N, the target's KV length while the request runs: every emitted token but the last
-        (the root) is in the cache after the prompt."""
-        return len(self.prompt) + len(self.output) - 1
+    seq_len: int = 0
+    last_n: int = 0
 
 
 @dataclass
@@ -43,7 +44,7 @@ class BatchHost:
 
     seq_len (N), target_row, draft_row: ``[B]`` int64. last_n ``[B]`` int64: the N of each
     request's last possible step (len(prompt) + max_new_tokens - 2; it emits the last token).
-    outputs: the requests' output lists; device_rows: target and draft rows ``[B]`` int64 on the
+    requests: the running requests; device_rows: target and draft rows ``[B]`` int64 on the
     device. room ``[B]`` int64: the largest N at which both pools' pages hold a step (set by the
     worker).
     """
@@ -52,17 +53,17 @@ class BatchHost:
     target_row: np.ndarray
     draft_row: np.ndarray
     last_n: np.ndarray
-    outputs: list[list[int]]
+    requests: list[Request]
     device_rows: tuple[torch.Tensor, torch.Tensor]
     room: Optional[np.ndarray] = None
 
     @staticmethod
     def of(requests: list[Request], device: torch.device) -> "BatchHost":
-        table = np.array([(r.seq_len, r.target_row, r.draft_row, len(r.prompt) + r.max_new_tokens - 2) for r in requests],
+        table = np.array([(r.seq_len, r.target_row, r.draft_row, r.last_n) for r in requests],
                          dtype=np.int64).reshape(len(requests), 4)
         seq_len, target_row, draft_row, last_n = table.T.copy()
         rows = host_to_device([target_row.tolist(), draft_row.tolist()], device)
-        return BatchHost(seq_len, target_row, draft_row, last_n, [r.output for r in requests], (rows[0], rows[1]))
+        return BatchHost(seq_len, target_row, draft_row, last_n, list(requests), (rows[0], rows[1]))
 
 
 @dataclass

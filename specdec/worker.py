@@ -190,7 +190,7 @@ class EagleWorker:
             for i, (prompt, params) in enumerate(zip(prompts, sampling)):
                 # Ids are taken once add_requests succeeds: a refused or failed admission uses none.
                 req = Request(self._next_rid + i, list(prompt), max_new_tokens, eos, self.target_pool.alloc_request(), -1,
-                              params)
+                              params, seq_len=len(prompt), last_n=len(prompt) + max_new_tokens - 2)
                 new.append(req)
                 req.draft_row = self.draft_pool.alloc_request()
                 self.pages.take((req.target_row, req.draft_row), len(prompt), max_new_tokens)
@@ -560,7 +560,8 @@ class EagleWorker:
         accept_len, take, done = packed[:, -3:].T
         h = self._batch_host()
         h.seq_len += take  # all accept_len + 1 for each request that stays: only finishing ones are cut
-        for out, row, k in zip(h.outputs, packed.tolist(), take.tolist()):
-            out += row[:k]  # k <= num_steps + 1: emitted tokens only
+        for req, row, k in zip(h.requests, packed.tolist(), take.tolist()):
+            req.output += row[:k]  # k <= num_steps + 1: emitted tokens only
+            req.seq_len += k
         self._finish_rows(np.flatnonzero(done).tolist())
         return StepStats(accept_len.tolist(), int(take.sum()))

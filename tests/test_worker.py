@@ -269,6 +269,25 @@ def test_tokens_go_to_the_host_before_draft_extend(target, mtp, monkeypatch):
     assert order == ["copy", "draft_extend"]
 
 
+def test_an_engine_editing_its_requests_changes_no_decode(target, mtp):
+    """Clearing output already streamed, or lowering max_new_tokens, then a batch change: the
+    worker's record of N and of each request's limits stays its own (N was recomputed from the
+    output, the pages' cap from max_new_tokens, and the decode went on with wrong tokens)."""
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, page_size=4, max_batch_size=3, max_context_len=128))
+    group = prompts(2, seed=19)
+    reqs = worker.add_requests(group, 60)
+    streamed = []
+    for _ in range(6):
+        worker.step()
+    streamed += reqs[0].output
+    reqs[0].output.clear()
+    reqs[1].max_new_tokens = 5
+    worker.add_requests(prompts(1, seed=20), 4)
+    drain(worker)
+    expected = greedy_generate(target, group, 60)
+    assert streamed + reqs[0].output == expected[0] and reqs[1].output == expected[1]
+
+
 def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
     free = free_pages(worker)
