@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from attn.base import AttnBatch, ForwardMode
 from attn.torch_ref import TorchRefBackend
 from specdec.kv import MLAKVPool
+from specdec.models.loader import _holds
 from specdec.models import (
     CheckpointError, DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM, load_deepseek, load_mtp, save_deepseek,
     validate_token_ids,
@@ -270,7 +271,7 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     name = "model.layers.0.self_attn.kv_b_proj.weight"
     save_file({**good, name: good[name].to(torch.float8_e4m3fn)}, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=f"{name} is torch.float8_e4m3fn.*dequantise"):
+    with pytest.raises(CheckpointError, match=f"{name} is F8_E4M3.*dequantise"):
         load_deepseek(str(tmp_path), torch.float32)
 
     # Without an index json, a weight in two files: the later file's copy was taken silently.
@@ -278,6 +279,77 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
     save_file({"model.norm.weight": torch.zeros_like(good["model.norm.weight"])}, tmp_path / "zz-extra.safetensors")
     with pytest.raises(CheckpointError, match="model.norm.weight is in both .*model.safetensors and .*zz-extra"):
         load_deepseek(str(tmp_path), torch.float32)
+
+
+def test_loader_refuses_checkpoints_it_would_load_wrong(tmp_path):
+    """Each of these loaded something else than the checkpoint holds, or failed without naming it."""
+    cfg = DeepseekV3Config(**TINY, q_lora_rank=None)
+    model = DeepseekV3ForCausalLM(cfg)
+    save_deepseek(model, str(tmp_path))
+    good = load_file(tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+
+    # The release's block-FP8 layout (scales beside e4m3 weights), its quantization_config deleted.
+    name = "model.layers.0.self_attn.kv_b_proj"
+    save_file({**good, f"{name}.weight_scale_inv": torch.ones(1, 1)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"FP8 block-quantised .*{name}.weight_scale_inv.*dequantise"):
+        load_deepseek(str(tmp_path), torch.float32)
+    # A layer past the decoder's with no MTP layer announced (it was dropped: a truncated model).
+    save_file({**good, "model.layers.3.input_layernorm.weight": good["model.norm.weight"].clone()}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected \['model.layers.3.input_layernorm.weight'\]"):
+        load_deepseek(str(tmp_path), torch.float32)
+    save_file(good, tmp_path / "model.safetensors")
+    # Another architecture's config.json (its missing fields took V3's defaults).
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        load_deepseek(str(tmp_path), torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    load_deepseek(str(tmp_path), torch.float32)
+
+    # Shards: a bad index names itself (a KeyError, a FileNotFoundError, a SafetensorError mid-copy).
+    index = tmp_path / "model.safetensors.index.json"
+    for weight_map, message in (({}, None), ({"model.norm.weight": "gone.safetensors"}, r"not in .*\['gone.safetensors'\]")):
+        index.write_text(json.dumps({"metadata": {}} if message is None else {"weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match=message or "has no weight_map"):
+            load_deepseek(str(tmp_path), torch.float32)
+    save_file({"model.norm.weight": good["model.norm.weight"]}, tmp_path / "shard.safetensors")
+    index.write_text(json.dumps({"weight_map": {n: "shard.safetensors" for n in good}}))
+    with pytest.raises(CheckpointError, match="maps .* to shard.safetensors, which does not hold it"):
+        load_deepseek(str(tmp_path), torch.float32)
+    # Saving over a sharded checkpoint: its index would still be read (the old weights came back).
+    with pytest.raises(ValueError, match=r"holds \['model.safetensors.index.json', 'shard.safetensors'\]"):
+        save_deepseek(model, str(tmp_path))
+
+
+def test_mtp_shares_the_targets_embedding_and_head(tmp_path):
+    """With target=, the MTP layer uses the target's embedding and head where the checkpoint's
+    copies equal them (it loaded the copies: ~3.7 GB more on V3, and trainable beside a frozen
+    target); a copy that differs (a draft trained with its own head) is loaded; a target of
+    another checkpoint is refused."""
+    cfg = DeepseekV3Config(**TINY, q_lora_rank=None)
+    model = DeepseekV3ForCausalLM(cfg)
+    mtp = DeepseekMTP(cfg, target=model)
+    save_deepseek(model, str(tmp_path), mtp=mtp)
+    target = load_deepseek(str(tmp_path), torch.float32)
+    shared = load_mtp(str(tmp_path), torch.float32, target=target)
+    assert shared.embed_tokens is target.embed_tokens and shared.shared_head.head is target.lm_head
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    head = f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight"
+    tensors[head] = tensors[head].clone()
+    tensors[head][-1, -1] += 1
+    save_file(tensors, tmp_path / "model.safetensors")
+    file, embed = str(tmp_path / "model.safetensors"), f"model.layers.{cfg.num_hidden_layers}.embed_tokens.weight"
+    for rows in (1, 3, 80):  # blocks of rows, the last one short: the difference is in the last row
+        chunk = rows * cfg.hidden_size * 4
+        assert _holds(file, embed, target.embed_tokens.weight, chunk) and not _holds(file, head, target.lm_head.weight, chunk)
+    own_head = load_mtp(str(tmp_path), torch.float32, target=target)
+    assert own_head.embed_tokens is target.embed_tokens and own_head.shared_head.head is not target.lm_head
+    assert torch.equal(own_head.shared_head.head.weight, tensors[head])
+
+    other = DeepseekV3ForCausalLM(DeepseekV3Config(**{**TINY, "vocab_size": 50}, q_lora_rank=None))
+    with pytest.raises(CheckpointError, match=r"the target's embed_tokens.weight is \(50, 64\), its config.json implies \(80, 64\)"):
+        load_mtp(str(tmp_path), torch.float32, target=other)
 
 
 @pytest.mark.parametrize("field, value", [

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, finite_real, is_int, positive_finite
 
+_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 _YARN_REQUIRED = ("factor", "original_max_position_embeddings")
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
@@ -169,7 +170,12 @@ class DeepseekV3Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeepseekV3Config":
         """From a config.json dict; unknown keys are ignored. Reads both the public release's
-        ``rope_theta`` + ``rope_scaling`` and transformers 5's ``rope_parameters``."""
+        ``rope_theta`` + ``rope_scaling`` and transformers 5's ``rope_parameters``. A model_type
+        other than DeepSeek-V3's or Kimi K2's is refused: missing fields would take V3's defaults."""
+        kind = d.get("model_type")
+        if kind is not None and kind not in _MODEL_TYPES:
+            raise ValueError(f"config.json: model_type {kind!r} is not one this model implements {_MODEL_TYPES} "
+                             "(DeepSeek-V3's architecture)")
         d = dict(d)
         params = d.pop("rope_parameters", None)
         if params:

@@ -26,7 +26,8 @@ from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.mtp import DeepseekMTP
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the release stores copies; else shared
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the target's; the release stores copies
+_WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names of the float types copy_ converts exactly
 
 
 class CheckpointError(ValueError):
@@ -35,21 +36,26 @@ class CheckpointError(ValueError):
 
 def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu") -> DeepseekV3ForCausalLM:
     """The target model of an HF DeepSeek-V3 directory, built directly in ``dtype`` on ``device``
-    (an MTP layer in the checkpoint is skipped; see :func:`load_mtp`)."""
+    (an MTP layer in the checkpoint is skipped; see :func:`load_mtp`). The weights' names, dtypes
+    and shapes are checked against the config before the model is built (CheckpointError)."""
     config = DeepseekV3Config.from_json(os.path.join(path, "config.json"))
     index = _weight_index(path)
-    model = DeepseekV3ForCausalLM(config, dtype, device)
     names = [n for n in index if not _is_mtp_weight(n, config)]
     if config.tie_word_embeddings:  # a copy of the tied head is redundant (transformers ties it too)
         names = [n for n in names if n != "lm_head.weight"]
-    _copy_weights(_own_tensors(model), names, index, path)
+    _check_weights(_own_tensors(DeepseekV3ForCausalLM(config, dtype, "meta")), names, index, path)
+    model = DeepseekV3ForCausalLM(config, dtype, device)
+    _copy_weights(_own_tensors(model), index)
     return model.eval()
 
 
 def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu",
              target: Optional[DeepseekV3ForCausalLM] = None) -> DeepseekMTP:
-    """The MTP draft layer of an HF DeepSeek-V3 directory. Its embed_tokens / shared_head.head are
-    loaded when the checkpoint has them, else shared with ``target`` (required then)."""
+    """The MTP draft layer of an HF DeepSeek-V3 directory. Its embed_tokens and shared_head.head
+    are the target's (``target``, in ``dtype``; device "cuda" then means the target's GPU) where the
+    checkpoint has no copy of them, or a copy equal to the target's (the public release stores
+    copies of the shared tensors: ~3.7 GB of bf16 saved, and a frozen target freezes them too);
+    else the checkpoint's own (a draft trained with its own embedding or head)."""
     config = DeepseekV3Config.from_json(os.path.join(path, "config.json"))
     if config.num_nextn_predict_layers < 1:
         raise ValueError(f"{path} has no MTP layer: its config.json sets num_nextn_predict_layers={config.num_nextn_predict_layers}")
@@ -61,17 +67,55 @@ def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu"
     absent = [n for n in _MTP_SHARED if prefix + n not in index]
     if absent and target is None:
         raise CheckpointError(f"{path}: the MTP layer has no {[prefix + n for n in absent]}; pass target= to share the target's")
-    if absent:
+    shared: tuple[str, ...] = ()
+    if target is not None:
         weight, want = target.embed_tokens.weight, torch.device(device)
-        if weight.dtype != dtype or weight.device.type != want.type or want.index not in (None, weight.device.index):
+        if want.type == weight.device.type and want.index is None:
+            want = weight.device
+        if weight.dtype == dtype and weight.device == want:
+            device = want
+            modules = dict(zip(_MTP_SHARED, (target.embed_tokens, target.lm_head)))
+            _check_shared_shapes(modules, config, path)
+            shared = tuple(n for n in _MTP_SHARED if n in absent or _holds(index[prefix + n], prefix + n, modules[n].weight))
+        elif absent:
             raise CheckpointError(f"{path}: the MTP layer shares the target's {absent}, which is {weight.dtype} on "
                                   f"{weight.device}; asked for {dtype} on {device}: load both alike")
-    mtp = DeepseekMTP(config, None, dtype, device,
-                      embed_tokens=target.embed_tokens if "embed_tokens.weight" in absent else None,
-                      head=target.lm_head if "shared_head.head.weight" in absent else None)
-    own = {prefix + _mtp_checkpoint_name(n): t for n, t in _own_tensors(mtp).items() if n not in absent}
-    _copy_weights(own, available, index, path)
+    available = [n for n in available if n[len(prefix):] not in shared]
+
+    def build(on: Any) -> DeepseekMTP:
+        return DeepseekMTP(config, None, dtype, on,
+                           embed_tokens=target.embed_tokens if "embed_tokens.weight" in shared else None,
+                           head=target.lm_head if "shared_head.head.weight" in shared else None)
+
+    def own(mtp: DeepseekMTP) -> dict[str, torch.Tensor]:
+        return {prefix + _mtp_checkpoint_name(n): t for n, t in _own_tensors(mtp).items() if n not in shared}
+
+    _check_weights(own(build("meta")), available, index, path)
+    mtp = build(device)
+    _copy_weights(own(mtp), index)
     return mtp.eval()
+
+
+def _check_shared_shapes(modules: dict[str, torch.nn.Module], config: DeepseekV3Config, path: str) -> None:
+    """CheckpointError where the target's embedding or head is not the [vocab, hidden] of the
+    checkpoint's config (a target of another checkpoint)."""
+    expected = (config.vocab_size, config.hidden_size)
+    for name, module in modules.items():
+        if tuple(module.weight.shape) != expected:
+            raise CheckpointError(f"{path}: the target's {name} is {tuple(module.weight.shape)}, its config.json implies "
+                                  f"{expected}: pass the target of this checkpoint")
+
+
+def _holds(file: str, name: str, tensor: torch.Tensor, chunk_bytes: int = 64 << 20) -> bool:
+    """Whether the checkpoint's ``name`` equals ``tensor`` once in its dtype, compared a block of
+    rows at a time (never a whole vocabulary-sized copy in memory)."""
+    with safe_open(file, "pt") as f:
+        header = f.get_slice(name)
+        if header.get_dtype() not in _WEIGHT_DTYPES or tuple(header.get_shape()) != tuple(tensor.shape):
+            return False
+        rows = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
+        return all(torch.equal(header[start:start + rows].to(tensor.device, tensor.dtype), tensor[start:start + rows])
+                   for start in range(0, tensor.shape[0], rows))
 
 
 def save_deepseek(model: DeepseekV3ForCausalLM, path: str, mtp: Optional[DeepseekMTP] = None) -> None:
@@ -79,6 +123,11 @@ def save_deepseek(model: DeepseekV3ForCausalLM, path: str, mtp: Optional[Deepsee
     ``model.layers.{num_hidden_layers}`` (embedding and head copies included, as in the release)
     and config.json sets num_nextn_predict_layers=1."""
     os.makedirs(path, exist_ok=True)
+    stale = sorted(f for f in os.listdir(path) if f == "model.safetensors.index.json"
+                   or (f.endswith(".safetensors") and f != "model.safetensors"))
+    if stale:
+        raise ValueError(f"{path} holds {_short(stale)}, which the loaders would read with (or instead of) the new "
+                         "model.safetensors: save into another directory, or remove them")
     config = model.config.to_dict()
     config["num_nextn_predict_layers"] = int(mtp is not None)
     tensors = {n: t.detach() for n, t in _own_tensors(model).items()}
@@ -106,24 +155,36 @@ def _weight_index(path: str) -> dict[str, str]:
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index_file):
         with open(index_file) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    index = {}
-    for file in files:
-        with safe_open(file, "pt") as f:
-            for name in f.keys():
-                if name in index:  # without an index json, no file says which copy is meant
-                    raise CheckpointError(f"{path}: {name} is in both {index[name]} and {file}")
-                index[name] = file
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_file} has no weight_map (weight name -> safetensors file)")
+        index = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        absent = sorted({os.path.basename(f) for f in index.values() if not os.path.exists(f)})
+        if absent:
+            raise CheckpointError(f"{index_file} maps weights to files that are not in {path}: {_short(absent)}")
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        index = {}
+        for file in files:
+            with safe_open(file, "pt") as f:
+                for name in f.keys():
+                    if name in index:  # without an index json, no file says which copy is meant
+                        raise CheckpointError(f"{path}: {name} is in both {index[name]} and {file}")
+                    index[name] = file
+    scales = sorted(n for n in index if n.endswith("_scale_inv"))
+    if scales:  # the public release's block-FP8 weights: e4m3 codes whose scales live in these tensors
+        raise CheckpointError(f"{path} is FP8 block-quantised ({_short(scales, 2)}): the loader takes 16/32-bit "
+                              "float weights; dequantise it to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py)")
     return index
 
 
 def _is_mtp_weight(name: str, config: DeepseekV3Config) -> bool:
+    """A weight of the MTP layer the config announces; any other layer past the decoder's stays a
+    weight of the target, unexpected there."""
     m = _LAYER.match(name)
-    return m is not None and int(m.group(1)) >= config.num_hidden_layers
+    return m is not None and config.num_nextn_predict_layers > 0 and int(m.group(1)) == config.num_hidden_layers
 
 
 def _mtp_checkpoint_name(module_name: str) -> str:
@@ -142,31 +203,45 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _copy_weights(own: dict[str, torch.Tensor], available: list[str], index: dict[str, str], where: str) -> None:
-    """Copy checkpoint tensors into ``own`` (checkpoint name -> module tensor), one at a time.
-
-    available: the checkpoint weights meant for this module; they must be exactly own's names,
-    with own's shapes.
-    """
+def _check_weights(own: dict[str, torch.Tensor], available: list[str], index: dict[str, str], where: str) -> None:
+    """CheckpointError unless the checkpoint weights meant for a module (``available``) are exactly
+    own's names (checkpoint name -> module tensor, on any device: meta too), each in its file, a
+    16/32-bit float of own's shape; reads only the files' headers."""
     missing = sorted(own.keys() - set(available))
     unexpected = sorted(set(available) - own.keys())
     if missing or unexpected:
         raise CheckpointError(f"{where} does not match its config.json: missing {_short(missing)}, unexpected {_short(unexpected)}")
+    for file, names in _by_file(own, index).items():
+        with safe_open(file, "pt") as f:
+            held = set(f.keys())
+            for name in names:
+                if name not in held:
+                    raise CheckpointError(f"{where}: the index maps {name} to {os.path.basename(file)}, which does not hold it")
+                header = f.get_slice(name)
+                if header.get_dtype() not in _WEIGHT_DTYPES:
+                    # copy_ would read e4m3 codes as values (a weight left quantised, its scale lost)
+                    raise CheckpointError(f"{where}: {name} is {header.get_dtype()}; the loader takes 16/32-bit float "
+                                          "weights: dequantise FP8 checkpoints to bf16 first")
+                if tuple(header.get_shape()) != tuple(own[name].shape):
+                    raise CheckpointError(f"{where}: {name} has shape {tuple(header.get_shape())}, config.json implies "
+                                          f"{tuple(own[name].shape)}")
+
+
+def _copy_weights(own: dict[str, torch.Tensor], index: dict[str, str]) -> None:
+    """Copy checkpoint tensors into ``own`` (checkpoint name -> module tensor), one at a time;
+    _check_weights has checked them."""
+    with torch.no_grad():
+        for file, names in _by_file(own, index).items():
+            with safe_open(file, "pt") as f:
+                for name in names:
+                    own[name].copy_(f.get_tensor(name))
+
+
+def _by_file(own: dict[str, torch.Tensor], index: dict[str, str]) -> dict[str, list[str]]:
     by_file: dict[str, list[str]] = {}
     for name in own:
         by_file.setdefault(index[name], []).append(name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(file, "pt") as f:
-                for name in names:
-                    t = f.get_tensor(name)
-                    if not t.is_floating_point() or t.element_size() < 2:
-                        # copy_ would read e4m3 codes as values (a weight left quantised, its scale lost)
-                        raise CheckpointError(f"{where}: {name} is {t.dtype}; the loader takes 16/32-bit float "
-                                              "weights: dequantise FP8 checkpoints to bf16 first")
-                    if t.shape != own[name].shape:
-                        raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(own[name].shape)}")
-                    own[name].copy_(t)
+    return by_file
 
 
 def _short(names: list[str], limit: int = 8) -> str:
