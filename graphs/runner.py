@@ -113,6 +113,9 @@ class GraphRunner:
         larger batches eagerly. kv_bounds: also capture each bucket's step per kv bound
         (worker.kv_len_buckets); False: only the longest context's graphs (fewer captures, and
         the long plans for every batch)."""
+        for name, flag in (("eager_fallback", eager_fallback), ("progress", progress), ("kv_bounds", kv_bounds)):
+            if not isinstance(flag, bool):  # "no" or [64] read as True
+                raise ValueError(f"GraphRunner's {name} must be True or False, got {flag!r}")
         # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the
         # worker frees the graphs at once, never in a garbage collection during another capture.
         if worker.device.type != "cuda":

@@ -12,6 +12,7 @@ bookkeeping overlaps that last pass.
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -91,6 +92,7 @@ class EagleWorker:
         # extra kv rows); the graph runner sets it while it captures a kv bucket's step. None: none.
         self.kv_len_bound: Optional[int] = None
         self._next_rid = 0
+        self._issued: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Request add_requests returned
         self._batch: Optional[BatchHost] = None  # host arrays of the running batch; None: rebuild
         # the step's one copy to the host: [bs, num_steps + 4] = emitted tokens, accept_len, take, done
         self._emitted = HostCopy((bs, steps + 4), self.device)
@@ -116,8 +118,6 @@ class EagleWorker:
         is in flight (between launch_step and finish_step).
         """
         self.check_idle("add_requests")
-        if len(prompts) == 0:  # (a numpy array of prompts has no truth value)
-            return []
         cfg = self.config
         max_new_tokens = require_int(max_new_tokens, "max_new_tokens must be an int")
         if max_new_tokens < 1:
@@ -125,8 +125,12 @@ class EagleWorker:
         vocab = self.target.config.vocab_size
         if eos_token_id is not None:
             eos_token_id = require_int(eos_token_id, "eos_token_id must be one int or None")
-            validate_token_ids([eos_token_id], vocab)
-        sampling = [SamplingParams()] * len(prompts) if sampling is None else list(sampling)
+            if not 0 <= eos_token_id < vocab:
+                raise ValueError(f"eos_token_id must lie in [0, vocab_size={vocab}), got {eos_token_id}")
+        prompts = list(_listed(prompts, "prompts", "lists of token ids, one per request"))
+        if not prompts:
+            return []
+        sampling = [SamplingParams()] * len(prompts) if sampling is None else _listed(sampling, "sampling", "SamplingParams, one per prompt")
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
         for i, params in enumerate(sampling):
@@ -137,7 +141,8 @@ class EagleWorker:
             raise ValueError("temperature > 0 needs SpecConfig(enable_sampling=True) (rejection-sampling verification)")
         if len(self.requests) + len(prompts) > cfg.max_batch_size:
             raise ValueError(f"{len(self.requests)} running + {len(prompts)} new requests exceed max_batch_size {cfg.max_batch_size}")
-        prompts = [[require_int(t, "prompt tokens must be ints") for t in prompt] for prompt in prompts]
+        prompts = [[require_int(t, "prompt tokens must be ints") for t in _listed(prompt, "each prompt", "token ids")]
+                   for prompt in prompts]
         for prompt in prompts:
             if not prompt:
                 raise ValueError("empty prompt: a request needs at least one token")
@@ -173,6 +178,7 @@ class EagleWorker:
                 self._release(req)
             raise
         self._next_rid += len(new)
+        self._issued.update((id(req), req) for req in new)
         for i, (req, token) in enumerate(zip(new, first)):
             req.output.append(token)  # the prefill's token is the first output
             if i not in keep:
@@ -312,8 +318,11 @@ class EagleWorker:
         finished, with the tokens emitted so far, and their KV pages and rows return to the pools.
         Requests already finished are left as they are. Not while a step is in flight."""
         self.check_idle("abort")
-        if isinstance(requests, Request):
-            raise TypeError("abort takes a list of requests: abort([request])")
+        requests = _listed(requests, "abort's requests", "Requests that add_requests returned: abort([request])")
+        for r in requests:  # else an engine aborting by id, or with a copy, frees nothing and hears nothing
+            if self._issued.get(id(r)) is not r:
+                raise ValueError(f"abort: {type(r).__name__} {r if not isinstance(r, Request) else r.rid} is not a "
+                                 "Request this worker's add_requests returned (pass those objects, not ids or copies)")
         stop = {id(r) for r in requests}
         self._finish_rows([i for i, r in enumerate(self.requests) if id(r) in stop])
 
@@ -565,3 +574,11 @@ class EagleWorker:
             req.seq_len += k
         self._finish_rows(np.flatnonzero(done).tolist())
         return StepStats(accept_len.tolist(), int(take.sum()))
+
+
+def _listed(value, name: str, what: str) -> list:
+    """``value``'s items as a list; ValueError naming ``name`` where it holds none (None, a number,
+    a string, one object where a list of them belongs)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of {what}, got {type(value).__name__}")
+    return list(value)

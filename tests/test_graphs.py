@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,13 @@ def test_buckets_refused_before_any_capture(batch_sizes, message):
     """Buckets the runner cannot serve are refused up front, naming what to change."""
     with pytest.raises(ValueError, match=message):
         GraphRunner(fake_worker(True, SpecConfig(max_batch_size=4)), batch_sizes=batch_sizes)
+
+
+@pytest.mark.parametrize("flag, value", [("eager_fallback", "no"), ("kv_bounds", [64]), ("progress", 1)])
+def test_flags_must_be_bools(flag, value):
+    """A truthy stand-in ("no", a list of bounds) was taken as True."""
+    with pytest.raises(ValueError, match=re.escape(f"GraphRunner's {flag} must be True or False, got {value!r}")):
+        GraphRunner(fake_worker(True, SpecConfig(max_batch_size=4)), [1, 2, 4], **{flag: value})
 
 
 @pytest.mark.parametrize("topk,ndt,mode", [(1, None, "eagle"), (2, 6, "eagle"), (3, 8, "standalone")])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -183,7 +185,12 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
         (([[1, 2]], 4), dict(eos_token_id=torch.tensor([True])), "eos_token_id must be one int or None"),
         (([[1.5, 2.0]], 4), {}, "prompt tokens must be ints"),
         (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
-        (([[1, 2]], 4), dict(eos_token_id=2**63), "token ids must lie in"),
+        (([[1, 2]], 4), dict(eos_token_id=2**63), r"eos_token_id must lie in \[0, vocab_size="),
+        (([[1, 2]], 4), dict(eos_token_id=-1), r"eos_token_id must lie in \[0, vocab_size=.*got -1"),
+        (([1, 2, 3], 4), {}, "each prompt must be a list of token ids, got int"),  # a flat prompt
+        ((None, 4), {}, "prompts must be a list of lists of token ids, one per request, got NoneType"),
+        (([[1, 2]], 4), dict(sampling=SamplingParams()), "sampling must be a list of SamplingParams, one per prompt"),
+        (([], 0), {}, "max_new_tokens must be >= 1"),  # no prompts: the arguments are checked all the same
         (([[1, 2], [3]], 4), dict(sampling=[SamplingParams(), None]), r"sampling\[1\] must be a SamplingParams, got NoneType"),
         (([[1, 2], [3]], 4), dict(sampling=[]), "got 0 SamplingParams for 2 prompts"),
     ]:
@@ -295,8 +302,12 @@ def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     reqs = worker.add_requests(group, 12)
     worker.step()
     emitted = list(reqs[1].output)
-    with pytest.raises(TypeError, match=r"a list of requests: abort\(\[request\]\)"):
-        worker.abort(reqs[1])
+    for wrong, needle in ((reqs[1], r"must be a list of Requests .*abort\(\[request\]\), got Request"),
+                          ([reqs[1].rid], "int 1 is not a Request this worker's add_requests returned"),
+                          ([copy.copy(reqs[1])], "Request 1 is not a Request this worker's add_requests returned")):
+        with pytest.raises(ValueError, match=needle):  # by id or with a copy, it freed nothing and said nothing
+            worker.abort(wrong)
+    assert worker.requests == reqs
     worker.abort([reqs[1]])
     worker.abort([reqs[1]])  # no longer running: nothing to do
     assert reqs[1].finished and reqs[1].output == emitted and worker.requests == [reqs[0], reqs[2]]
