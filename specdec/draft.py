@@ -1,4 +1,5 @@
-"""The draft model interface the worker drives, and the standalone-draft adapter."""
+"""The model interfaces the worker drives (target and draft), their up-front checks, and the
+standalone-draft adapter."""
 
 from __future__ import annotations
 
@@ -10,15 +11,50 @@ from attn.base import AttnBatch, LayerSpec
 from specdec.config import ConfigError, SpecConfig
 
 
-class DraftModel(Protocol):
-    """An EAGLE/MTP head (``specdec.models.mtp.DeepseekMTP``) or a wrapped ordinary LM.
+class TargetModel(Protocol):
+    """What the worker calls on an engine's target model (``specdec.models.DeepseekV3ForCausalLM``
+    is one; tests/toy_models.py has a minimal other).
 
-    forward: ids ``[T]`` int64, positions ``[T]`` int64, hidden_in ``[T, D]`` (the target's hidden
-    states at the previous position, or the draft's own while drafting; None where unused)
-    -> hidden ``[T, D]``. vocab_size: the width of compute_logits' logits, which must be the
-    target's (the draft proposes target token ids). needs_hidden_in: forward reads hidden_in
-    (an EAGLE/MTP head: SpecConfig.draft_mode "eagle" only). hidden_size: D of forward's output,
-    in the dtype of its parameters (a torch module's).
+    forward: ids ``[T]`` int64, positions ``[T]`` int64, backend, batch -> hidden ``[T, D]`` in
+    the dtype of its parameters. Each of its MLA layers ``i`` calls ``backend.forward(q, kv_new, i,
+    batch)`` once: q ``[T, H, 576]`` (absorbed: the nope part through W_UK, the rope part last;
+    last dim contiguous), kv_new ``[T, 576]`` (latent and roped key) -> ``[T, H, 512]`` (the model
+    applies W_UV); it does not scale q (the backend applies attn_spec's sm_scale). Rotary
+    embeddings come from ``positions`` alone: in a tree verify a token's kv slot is not its
+    position. Nothing mixes tokens but attention, and the model is deterministic (eval mode:
+    dropout would make verifying differ from decoding).
+    num_attention_layers: its MLA layers (the KV pool's), so layer ids ``0..num_attention_layers-1``.
+    config.vocab_size: the width of compute_logits' logits; config.hidden_size: D (read by an
+    EAGLE draft's check). parameters(): the first one's dtype and device are the worker's (the KV
+    cache's dtype under kv_dtype "auto", and the draft's).
+    compute_logits: hidden ``[N, D]`` -> logits ``[N, vocab_size]`` (float).
+    """
+
+    config: object
+    num_attention_layers: int
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def attn_spec(self) -> LayerSpec: ...
+
+    def parameters(self): ...
+
+
+class DraftModel(Protocol):
+    """An EAGLE/MTP head (``specdec.models.mtp.DeepseekMTP``) or a wrapped ordinary LM, with the
+    attention contract of TargetModel's forward (layer ids over its own num_attention_layers).
+
+    forward: ids ``[T]`` int64, positions ``[T]`` int64, hidden_in ``[T, D]`` or None -> hidden
+    ``[T, D]``. An EAGLE/MTP head (needs_hidden_in; SpecConfig.draft_mode "eagle" only) gets the
+    target's hidden states at the previous position (prefill, draft-extend) or its own output
+    (draft steps); an ordinary LM gets None in prefill and hidden states it may ignore otherwise.
+    Rows of a draft-extend past a request's accepted tokens carry token 0 and are discarded:
+    compute each row on its own. vocab_size: the width of compute_logits' logits, which must be
+    the target's (the draft proposes target token ids). hidden_size: D of forward's output (the
+    target's, for a head that reads the target's), in the dtype of its parameters (a torch
+    module's).
     """
 
     num_attention_layers: int
@@ -33,7 +69,24 @@ class DraftModel(Protocol):
     def attn_spec(self) -> LayerSpec: ...
 
 
-def check_draft(draft: DraftModel, target: torch.nn.Module, config: SpecConfig) -> None:
+def check_target(target: TargetModel) -> None:
+    """ConfigError where ``target`` lacks what the worker calls (TargetModel), has no parameters
+    (they give the worker its device and dtype), or is in training mode."""
+    missing = [name for name in ("config", "num_attention_layers") if not hasattr(target, name)]
+    missing += [name for name in ("attn_spec", "compute_logits", "parameters") if not callable(getattr(target, name, None))]
+    if "config" not in missing and not hasattr(target.config, "vocab_size"):
+        missing.append("config.vocab_size")
+    if missing or not callable(target):
+        raise ConfigError(f"the target model lacks {missing or ['__call__']}: specdec.draft.TargetModel lists what "
+                          "the worker calls")
+    if next(iter(target.parameters()), None) is None:
+        raise ConfigError("the target model has no parameters: the worker takes its device and dtype from them")
+    if getattr(target, "training", False):
+        raise ConfigError("the target model is in training mode (dropout would make verifying differ from "
+                          "decoding): call target.eval()")
+
+
+def check_draft(draft: DraftModel, target: TargetModel, config: SpecConfig) -> None:
     """ConfigError where ``draft`` cannot draft for ``target`` under ``config``: another vocabulary,
     topk past it, a hidden-state draft in standalone mode or of another hidden size or dtype than
     the target (it reads the target's hidden states), an ordinary LM in eagle mode, or a draft
@@ -57,9 +110,10 @@ def check_draft(draft: DraftModel, target: torch.nn.Module, config: SpecConfig) 
         raise ConfigError(f"the draft has parameters on {sorted(map(str, devices))} and the target on "
                           f"{target_param.device}; move the draft")
     if draft.needs_hidden_in:
-        if draft.hidden_size != target.config.hidden_size:
-            raise ConfigError(f"the draft reads the target's hidden states ({target.config.hidden_size} wide) "
-                              f"but has hidden_size {draft.hidden_size}")
+        width = getattr(target.config, "hidden_size", None)
+        if draft.hidden_size != width:
+            raise ConfigError(f"the draft reads the target's hidden states ({width} wide: the target's "
+                              f"config.hidden_size) but has hidden_size {draft.hidden_size}")
         if dtypes - {target_param.dtype}:
             raise ConfigError(f"the draft has parameters in {sorted(map(str, dtypes))} and the target's are "
                               f"{target_param.dtype}: the draft reads the target's hidden states; load it in "

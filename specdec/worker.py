@@ -25,7 +25,7 @@ from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_pass, host_to_device, prefill_cap, prefill_pieces, uniform_batch
 from specdec.config import ConfigError, SpecConfig, require_int
 from specdec.device import on_device
-from specdec.draft import DraftModel, check_draft
+from specdec.draft import DraftModel, TargetModel, check_draft, check_target
 from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
 from specdec.pages import BatchPages
@@ -45,12 +45,13 @@ class EagleWorker:
     the caller's object reach nothing. (The backends' adjustments, a Blackwell page size, are made
     when a SpecConfig is validated, so the caller's object shows them too.)"""
 
-    def __init__(self, target: torch.nn.Module, draft: DraftModel, config: SpecConfig) -> None:
-        param = next(target.parameters())
-        self.device, self.dtype = param.device, param.dtype
+    def __init__(self, target: TargetModel, draft: DraftModel, config: SpecConfig) -> None:
         config = copy.deepcopy(config)  # the worker's own: later edits of the caller's reach nothing sized from it
         config.validate()  # again: a config may have been changed since it was built
         self.config = config
+        check_target(target)
+        param = next(target.parameters())
+        self.device, self.dtype = param.device, param.dtype
         check_draft(draft, target, config)
         self.target, self.draft = target, draft
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
@@ -232,12 +233,19 @@ class EagleWorker:
         batch, ids, positions = extend_pass(self.target_pool.req_to_token, [r.target_row for r, _, _ in pieces], starts,
                                             [r.prompt[s:s + n] for r, s, n in pieces])
         hidden = self._forward(self.target, self.target_prefill_backend, batch, ids, positions)
+        if hidden.dtype != self.dtype or hidden.dim() != 2 or hidden.shape[0] != ids.shape[0]:
+            raise ValueError(f"the target's forward returned {tuple(hidden.shape)} {hidden.dtype} for {ids.shape[0]} "
+                             f"tokens; it must return [tokens, D] in its parameters' dtype ({self.dtype}): TargetModel")
         ending = [k for k, (r, s, n) in enumerate(pieces) if s + n == len(r.prompt)]
         done = [pieces[k][0] for k in ending]
         if done:
             last = batch.cu_seqlens_q[1:].long()[ending] - 1
             params = self._sampling_tensors(done)
-            probs = target_probs(self.target.compute_logits(hidden[last]), *params[:3])
+            logits = self.target.compute_logits(hidden[last])
+            if logits.shape != (len(done), self.target.config.vocab_size):
+                raise ValueError(f"the target's compute_logits returned {tuple(logits.shape)} for {len(done)} rows; "
+                                 f"it must return [rows, config.vocab_size={self.target.config.vocab_size}]")
+            probs = target_probs(logits, *params[:3])
             root = sample_from(probs, hash_uniform(params[3], torch.zeros_like(params[3]), -1))
 
         # The draft sees (prompt + [root])[1 - off:] at positions 0..: a piece's draft tokens are

@@ -149,7 +149,7 @@ def test_a_hidden_state_draft_unlike_the_target_is_refused_up_front(target):
         with pytest.raises(ConfigError, match=r"the draft has parameters on \['meta'\] and the target on cpu"):
             EagleWorker(target, elsewhere, SpecConfig(num_steps=2, max_context_len=64))
     narrower = DeepseekMTP(tiny_config(hidden_size=32))
-    with pytest.raises(ConfigError, match=r"hidden states \(64 wide\) but has hidden_size 32"):
+    with pytest.raises(ConfigError, match=r"hidden states \(64 wide: the target's config.hidden_size\) but has hidden_size 32"):
         EagleWorker(target, narrower, SpecConfig(num_steps=2, max_context_len=64))
     EagleWorker(target, DeepseekMTP(target.config, target=target), SpecConfig(num_steps=2, max_context_len=64))
     standalone = StandaloneDraft(DeepseekV3ForCausalLM(target.config, dtype=torch.bfloat16))

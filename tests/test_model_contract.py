@@ -1,0 +1,81 @@
+"""The worker over models that are not specdec.models' (tests/toy_models.py, written from the
+TargetModel / DraftModel contract alone): lossless, and a model that breaks the contract is named
+before or at its first pass, not deep inside a kernel or in wrong tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.baseline import greedy_generate
+from specdec.config import ConfigError, SpecConfig
+from specdec.draft import StandaloneDraft
+from specdec.worker import EagleWorker
+from spec_helpers import free_pages, prompts, run_to_completion
+from toy_models import ToyEagleDraft, ToyTarget
+
+VOCAB = 64
+
+
+@pytest.mark.parametrize("draft_mode,topk,ndt", [("eagle", 1, None), ("eagle", 2, 6), ("standalone", 2, 6)])
+def test_models_of_the_contract_decode_losslessly(draft_mode, topk, ndt):
+    """A toy target with a toy EAGLE head, or with itself as a standalone draft (every draft token
+    accepted, so every accept path runs): target-only greedy tokens, with joins and finishes."""
+    target = ToyTarget(vocab=VOCAB)
+    draft = ToyEagleDraft(target) if draft_mode == "eagle" else StandaloneDraft(target)
+    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, draft_mode=draft_mode, page_size=4,
+                     max_batch_size=3, max_context_len=128)
+    worker = EagleWorker(target, draft, cfg)
+    groups = [(prompts(2, seed=1, vocab=VOCAB), 20), (prompts(1, seed=2, vocab=VOCAB), 12)]
+    outputs, accepts = run_to_completion(worker, groups)
+    assert outputs == [out for group, n in groups for out in greedy_generate(target, group, n)]
+    if draft_mode == "standalone":
+        assert sum(accepts) / len(accepts) > 2.5  # of 3: the identity draft's tokens are accepted
+
+
+class _NoLogits(ToyTarget):
+    compute_logits = None
+
+
+def _deeper_than_declared() -> ToyTarget:
+    target = ToyTarget(vocab=VOCAB)
+    target.num_attention_layers = 1  # its second layer writes layer 1 of a one-layer pool
+    return target
+
+
+def _padded_head() -> ToyTarget:
+    target = ToyTarget(vocab=VOCAB)
+    target.head = torch.nn.Linear(target.config.hidden_size, VOCAB + 8)  # a head padded past the vocabulary
+    return target
+
+
+def _fp32_output() -> ToyTarget:
+    target = ToyTarget(vocab=VOCAB).to(torch.bfloat16)
+    forward = target.forward
+    target.forward = lambda *args: forward(*args).float()
+    return target
+
+
+@pytest.mark.parametrize("make, when, needle", [
+    (lambda: _NoLogits(vocab=VOCAB), "init", r"lacks \['compute_logits'\]"),
+    (lambda: ToyTarget(vocab=VOCAB).train(), "init", r"training mode .*call target.eval\(\)"),
+    (lambda: torch.nn.Linear(2, 2).eval(), "init", r"lacks \['config', 'num_attention_layers', 'attn_spec'"),
+    (_deeper_than_declared, "add", r"layer_id must be an int in \[0, 1\) .*num_attention_layers\), got 1"),
+    (_padded_head, "add", r"compute_logits returned \(1, 72\) for 1 rows; .*config.vocab_size=64"),
+    (_fp32_output, "add", r"forward returned \(\d+, 32\) torch.float32 .*parameters' dtype \(torch.bfloat16\)"),
+])
+def test_a_model_off_the_contract_is_named(make, when, needle):
+    """Each failed inside the worker or a kernel (AttributeError, IndexError in a pool or in the
+    draft's embedding, a dtype mismatch in a matmul) or decoded with dropout on; a refused
+    add_requests leaves the pools as they were."""
+    target = make()
+    cfg = SpecConfig(num_steps=2, draft_mode="standalone", page_size=4, max_batch_size=2, max_context_len=64)
+    if when == "init":
+        with pytest.raises(ConfigError, match=needle):
+            EagleWorker(target, StandaloneDraft(ToyTarget(vocab=VOCAB)), cfg)
+        return
+    worker = EagleWorker(target, StandaloneDraft(target), cfg)
+    free = free_pages(worker)
+    with pytest.raises(ValueError, match=needle):
+        worker.add_requests(prompts(1, seed=3, vocab=VOCAB), 8)
+    assert free_pages(worker) == free and not worker.requests
