@@ -128,7 +128,7 @@ class EagleWorker:
             eos_token_id = require_int(eos_token_id, "eos_token_id must be one int or None")
             if not 0 <= eos_token_id < vocab:
                 raise ValueError(f"eos_token_id must lie in [0, vocab_size={vocab}), got {eos_token_id}")
-        prompts = list(_listed(prompts, "prompts", "lists of token ids, one per request"))
+        prompts = _listed(prompts, "prompts", "lists of token ids, one per request")
         if not prompts:
             return []
         sampling = [SamplingParams()] * len(prompts) if sampling is None else _listed(sampling, "sampling", "SamplingParams, one per prompt")
