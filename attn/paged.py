@@ -180,8 +180,8 @@ class PagedMLABackend:
     def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
         direct = batch.uniform_q_len and (self.max_decode_q_len is None or batch.max_q_len <= self.max_decode_q_len)
         self._check_pass(q, kv_new, batch, direct)
-        if type(layer_id) is not int or not 0 <= layer_id < len(self.kv.kv_buffers):
-            raise ValueError(f"{self.name}: layer_id must be an int in [0, {len(self.kv.kv_buffers)}) (the pool's "
+        if not 0 <= layer_id < len(self.kv.kv_buffers):
+            raise ValueError(f"{self.name}: layer_id must lie in [0, {len(self.kv.kv_buffers)}) (the pool's "
                              f"layers: the model's num_attention_layers), got {layer_id!r}")
         md = self.metadata
         cache = self.kv.kv_buffers[layer_id]

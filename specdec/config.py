@@ -52,14 +52,21 @@ def require_int(value: object, rule: str, error: type[ValueError] = ValueError) 
     return checked
 
 
+def item_list(value: object, rule: str, error: type[ValueError] = ValueError) -> list:
+    """value, an iterable (a numpy array or a tensor of one dim or more included), as a list; else
+    (None, a number, a string, a dict, one object where a list of them belongs) ``error`` stating
+    ``rule``."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable) or getattr(value, "ndim", 1) == 0:
+        raise error(f"{rule}, got {type(value).__name__} {value!r}"[:300])
+    return list(value)
+
+
 def int_list(value: object, rule: str, error: type[ValueError] = ValueError) -> list[int]:
     """value, an iterable of ints (a numpy array included), as a list of Python ints (as_int); else
     ``error`` stating ``rule``."""
     if isinstance(value, np.ndarray):
         value = value.tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise error(f"{rule}, got {value!r}")
-    return [require_int(item, rule, error) for item in value]
+    return [require_int(item, rule, error) for item in item_list(value, rule, error)]
 
 
 @dataclass

@@ -7,6 +7,8 @@ to N + the draft's offset (standalone: 1) + the draft region: a pool's ``extra``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from specdec.kv import MLAKVPool
@@ -54,7 +56,7 @@ class BatchPages:
         (target, draft), (target_extra, draft_extra) = self.pools, self.extras
         return np.minimum(target.capacity[h.target_row] - target_extra, draft.capacity[h.draft_row] - draft_extra)
 
-    def needs(self, h: BatchHost):
+    def needs(self, h: BatchHost) -> Iterator[tuple[MLAKVPool, np.ndarray, np.ndarray, np.ndarray]]:
         """(pool, rows, need, most) of each pool: each running request's row, the positions its
         pages must hold for its next step (``[B]``), and for its last possible one."""
         for pool, rows, extra in zip(self.pools, (h.target_row, h.draft_row), self.extras):

@@ -21,8 +21,9 @@ class Request:
 
     seq_len (N, the target's KV length while it runs: prompt and every output but the last) and
     last_n (the N of its last possible step) are the worker's record, kept apart from output and
-    max_new_tokens: an engine may clear or trim ``output`` once it has streamed it, and editing the
-    other fields changes no decode (its limits were taken at admission)."""
+    max_new_tokens: an engine may clear or trim ``output`` once it has streamed it, and editing
+    prompt, max_new_tokens, eos_token_id or sampling changes no decode (taken at admission). The
+    rows, seq_len and last_n are the worker's alone."""
 
     rid: int
     prompt: list[int]

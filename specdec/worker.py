@@ -23,7 +23,7 @@ from attn.multistep import MultiStepDraftBackend
 from attn.paged import rows as cache_rows
 from attn.registry import check_device, check_kv_dtype
 from specdec.batch import extend_pass, host_to_device, prefill_cap, prefill_pieces, uniform_batch
-from specdec.config import ConfigError, SpecConfig, require_int
+from specdec.config import ConfigError, SpecConfig, int_list, item_list, require_int
 from specdec.device import on_device
 from specdec.draft import DraftModel, TargetModel, check_draft, check_target
 from specdec.kv import MLAKVPool, OutOfPagesError
@@ -128,10 +128,11 @@ class EagleWorker:
             eos_token_id = require_int(eos_token_id, "eos_token_id must be one int or None")
             if not 0 <= eos_token_id < vocab:
                 raise ValueError(f"eos_token_id must lie in [0, vocab_size={vocab}), got {eos_token_id}")
-        prompts = _listed(prompts, "prompts", "lists of token ids, one per request")
+        prompts = item_list(prompts, "prompts must be a list of token-id lists, one per request")
         if not prompts:
             return []
-        sampling = [SamplingParams()] * len(prompts) if sampling is None else _listed(sampling, "sampling", "SamplingParams, one per prompt")
+        sampling = ([SamplingParams()] * len(prompts) if sampling is None
+                    else item_list(sampling, "sampling must be a list of SamplingParams, one per prompt"))
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
         for i, params in enumerate(sampling):
@@ -142,8 +143,7 @@ class EagleWorker:
             raise ValueError("temperature > 0 needs SpecConfig(enable_sampling=True) (rejection-sampling verification)")
         if len(self.requests) + len(prompts) > cfg.max_batch_size:
             raise ValueError(f"{len(self.requests)} running + {len(prompts)} new requests exceed max_batch_size {cfg.max_batch_size}")
-        prompts = [[require_int(t, "prompt tokens must be ints") for t in _listed(prompt, "each prompt", "token ids")]
-                   for prompt in prompts]
+        prompts = [int_list(prompt, "each prompt must be a list of token ids (ints)") for prompt in prompts]
         for prompt in prompts:
             if not prompt:
                 raise ValueError("empty prompt: a request needs at least one token")
@@ -326,7 +326,7 @@ class EagleWorker:
         finished, with the tokens emitted so far, and their KV pages and rows return to the pools.
         Requests already finished are left as they are. Not while a step is in flight."""
         self.check_idle("abort")
-        requests = _listed(requests, "abort's requests", "Requests that add_requests returned: abort([request])")
+        requests = item_list(requests, "abort takes a list of the Requests add_requests returned: abort([request])")
         for r in requests:  # else an engine aborting by id, or with a copy, frees nothing and hears nothing
             if self._issued.get(id(r)) is not r:
                 raise ValueError(f"abort: {type(r).__name__} {r if not isinstance(r, Request) else r.rid} is not a "
@@ -576,17 +576,11 @@ class EagleWorker:
         self._in_flight = None  # after the wait: an interrupted wait may be retried
         accept_len, take, done = packed[:, -3:].T
         h = self._batch_host()
-        h.seq_len += take  # all accept_len + 1 for each request that stays: only finishing ones are cut
+        # N advances in the batch's array (the page checks') and in each request (what a rebuild of
+        # the batch reads): all accept_len + 1 for each request that stays; only finishing ones are cut.
+        h.seq_len += take
         for req, row, k in zip(h.requests, packed.tolist(), take.tolist()):
             req.output += row[:k]  # k <= num_steps + 1: emitted tokens only
             req.seq_len += k
         self._finish_rows(np.flatnonzero(done).tolist())
         return StepStats(accept_len.tolist(), int(take.sum()))
-
-
-def _listed(value, name: str, what: str) -> list:
-    """``value``'s items as a list; ValueError naming ``name`` where it holds none (None, a number,
-    a string, one object where a list of them belongs)."""
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"{name} must be a list of {what}, got {type(value).__name__}")
-    return list(value)

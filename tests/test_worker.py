@@ -181,14 +181,15 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
         (([[1, 2]], 3.5), {}, "max_new_tokens must be an int"),
         (([[1, 2]], True), {}, "max_new_tokens must be an int"),
         (([[1, 2]], torch.tensor(True)), {}, "max_new_tokens must be an int"),  # was taken as 1
-        (([torch.tensor([True, False])], 4), {}, "prompt tokens must be ints"),  # was the prompt [1, 0]
+        (([torch.tensor([True, False])], 4), {}, r"each prompt must be a list of token ids \(ints\)"),  # was the prompt [1, 0]
         (([[1, 2]], 4), dict(eos_token_id=torch.tensor([True])), "eos_token_id must be one int or None"),
-        (([[1.5, 2.0]], 4), {}, "prompt tokens must be ints"),
+        (([[1.5, 2.0]], 4), {}, r"each prompt must be a list of token ids \(ints\)"),
         (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
         (([[1, 2]], 4), dict(eos_token_id=2**63), r"eos_token_id must lie in \[0, vocab_size="),
         (([[1, 2]], 4), dict(eos_token_id=-1), r"eos_token_id must lie in \[0, vocab_size=.*got -1"),
-        (([1, 2, 3], 4), {}, "each prompt must be a list of token ids, got int"),  # a flat prompt
-        ((None, 4), {}, "prompts must be a list of lists of token ids, one per request, got NoneType"),
+        (([1, 2, 3], 4), {}, r"each prompt must be a list of token ids \(ints\), got int"),  # a flat prompt
+        ((torch.tensor([1, 2, 3]), 4), {}, r"each prompt must be a list of token ids \(ints\), got Tensor"),
+        ((None, 4), {}, "prompts must be a list of token-id lists, one per request, got NoneType"),
         (([[1, 2]], 4), dict(sampling=SamplingParams()), "sampling must be a list of SamplingParams, one per prompt"),
         (([], 0), {}, "max_new_tokens must be >= 1"),  # no prompts: the arguments are checked all the same
         (([[1, 2], [3]], 4), dict(sampling=[SamplingParams(), None]), r"sampling\[1\] must be a SamplingParams, got NoneType"),
@@ -302,7 +303,7 @@ def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     reqs = worker.add_requests(group, 12)
     worker.step()
     emitted = list(reqs[1].output)
-    for wrong, needle in ((reqs[1], r"must be a list of Requests .*abort\(\[request\]\), got Request"),
+    for wrong, needle in ((reqs[1], r"abort takes a list of the Requests add_requests returned: abort\(\[request\]\), got Request"),
                           ([reqs[1].rid], "int 1 is not a Request this worker's add_requests returned"),
                           ([copy.copy(reqs[1])], "Request 1 is not a Request this worker's add_requests returned")):
         with pytest.raises(ValueError, match=needle):  # by id or with a copy, it freed nothing and said nothing

@@ -8,6 +8,7 @@ contract asks of them: they come from ``positions``, never from the batch.
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import torch
@@ -90,3 +91,14 @@ class ToyEagleDraft(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
+
+
+def noisy_twin(target: ToyTarget, noise: float = 0.3, seed: int = 9) -> ToyTarget:
+    """A copy of ``target`` whose head weights carry Gaussian noise (``noise`` times their std): as
+    a standalone draft it agrees with the target part of the time, so steps accept 0 to num_steps
+    tokens."""
+    twin = copy.deepcopy(target)
+    weight = twin.head.weight
+    with torch.no_grad():
+        weight.add_(noise * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)))
+    return twin

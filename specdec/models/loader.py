@@ -175,8 +175,8 @@ def _weight_index(path: str) -> dict[str, str]:
                     index[name] = file
     scales = sorted(n for n in index if n.endswith("_scale_inv"))
     if scales:  # the public release's block-FP8 weights: e4m3 codes whose scales live in these tensors
-        raise CheckpointError(f"{path} is FP8 block-quantised ({_short(scales, 2)}): the loader takes 16/32-bit "
-                              "float weights; dequantise it to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py)")
+        raise CheckpointError(f"{path} is FP8 block-quantised ({_short(scales, 2)}): the loader takes float weights "
+                              "of 16 bits or more; dequantise it to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py)")
     return index
 
 
@@ -206,7 +206,7 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _check_weights(own: dict[str, torch.Tensor], available: list[str], index: dict[str, str], where: str) -> None:
     """CheckpointError unless the checkpoint weights meant for a module (``available``) are exactly
     own's names (checkpoint name -> module tensor, on any device: meta too), each in its file, a
-    16/32-bit float of own's shape; reads only the files' headers."""
+    float of 16 bits or more, of own's shape; reads only the files' headers."""
     missing = sorted(own.keys() - set(available))
     unexpected = sorted(set(available) - own.keys())
     if missing or unexpected:
@@ -220,8 +220,8 @@ def _check_weights(own: dict[str, torch.Tensor], available: list[str], index: di
                 header = f.get_slice(name)
                 if header.get_dtype() not in _WEIGHT_DTYPES:
                     # copy_ would read e4m3 codes as values (a weight left quantised, its scale lost)
-                    raise CheckpointError(f"{where}: {name} is {header.get_dtype()}; the loader takes 16/32-bit float "
-                                          "weights: dequantise FP8 checkpoints to bf16 first")
+                    raise CheckpointError(f"{where}: {name} is {header.get_dtype()}; the loader takes float weights of "
+                                          "16 bits or more: dequantise FP8 checkpoints to bf16 first")
                 if tuple(header.get_shape()) != tuple(own[name].shape):
                     raise CheckpointError(f"{where}: {name} has shape {tuple(header.get_shape())}, config.json implies "
                                           f"{tuple(own[name].shape)}")
