@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from specdec.kv import MLAKVPool
-from specdec.state import BatchHost
+from specdec.state import BatchHost, last_step_n
 
 
 class BatchPages:
@@ -31,7 +31,7 @@ class BatchPages:
         request's first step never runs short) and at its last possible step."""
         if max_new_tokens == 1:  # the prefill's token is its only one
             return [(pool, prompt_len + extra, prompt_len + extra) for pool, extra in zip(self.pools, self.prefill_extras)]
-        last_n = prompt_len + max_new_tokens - 2  # the N of its last step, which emits the last token
+        last_n = last_step_n(prompt_len, max_new_tokens)
         return [(pool, prompt_len + extra, last_n + extra) for pool, extra in zip(self.pools, self.extras)]
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -14,6 +14,12 @@ from specdec.batch import host_to_device
 from specdec.sampling import SamplingParams
 
 
+def last_step_n(prompt_len: int, max_new_tokens: int) -> int:
+    """The N of a request's last possible step, which emits its last token (the prefill emits the
+    first)."""
+    return prompt_len + max_new_tokens - 2
+
+
 @dataclass
 class Request:
     """Host-side view of one request: its prompt, the tokens emitted so far (``output``, the

@@ -30,7 +30,7 @@ from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.models import validate_token_ids
 from specdec.pages import BatchPages
 from specdec.sampling import SamplingParams, hash_uniform, sample_from, target_probs, tree_rejection_sample, with_seeds
-from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats
+from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats, last_step_n
 from specdec.tree import VerifyTree, start_tree, topk_probs
 from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
@@ -126,8 +126,7 @@ class EagleWorker:
         vocab = self.target.config.vocab_size
         if eos_token_id is not None:
             eos_token_id = require_int(eos_token_id, "eos_token_id must be one int or None")
-            if not 0 <= eos_token_id < vocab:
-                raise ValueError(f"eos_token_id must lie in [0, vocab_size={vocab}), got {eos_token_id}")
+            validate_token_ids([eos_token_id], vocab, "eos_token_id")
         prompts = item_list(prompts, "prompts must be a list of token-id lists, one per request")
         if not prompts:
             return []
@@ -197,7 +196,7 @@ class EagleWorker:
             for i, (prompt, params) in enumerate(zip(prompts, sampling)):
                 # Ids are taken once add_requests succeeds: a refused or failed admission uses none.
                 req = Request(self._next_rid + i, list(prompt), max_new_tokens, eos, self.target_pool.alloc_request(), -1,
-                              params, seq_len=len(prompt), last_n=len(prompt) + max_new_tokens - 2)
+                              params, seq_len=len(prompt), last_n=last_step_n(len(prompt), max_new_tokens))
                 new.append(req)
                 req.draft_row = self.draft_pool.alloc_request()
                 self.pages.take((req.target_row, req.draft_row), len(prompt), max_new_tokens)

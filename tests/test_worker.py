@@ -186,7 +186,7 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
         (([[1.5, 2.0]], 4), {}, r"each prompt must be a list of token ids \(ints\)"),
         (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
         (([[1, 2]], 4), dict(eos_token_id=2**63), r"eos_token_id must lie in \[0, vocab_size="),
-        (([[1, 2]], 4), dict(eos_token_id=-1), r"eos_token_id must lie in \[0, vocab_size=.*got -1"),
+        (([[1, 2]], 4), dict(eos_token_id=-1), r"eos_token_id must lie in \[0, vocab_size=96\); got \[-1\]"),
         (([1, 2, 3], 4), {}, r"each prompt must be a list of token ids \(ints\), got int"),  # a flat prompt
         ((torch.tensor([1, 2, 3]), 4), {}, r"each prompt must be a list of token ids \(ints\), got Tensor"),
         ((None, 4), {}, "prompts must be a list of token-id lists, one per request, got NoneType"),

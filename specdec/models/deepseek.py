@@ -24,9 +24,9 @@ from attn.base import AttnBatch, LayerSpec
 from specdec.models.config import DeepseekV3Config
 
 
-def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int) -> None:
-    """Raise ValueError unless every id lies in ``[0, vocab_size)``. Reads the values: call it on
-    host data (it would synchronise with a device tensor)."""
+def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int, name: str = "token ids") -> None:
+    """Raise ValueError unless every id lies in ``[0, vocab_size)``, naming the ids ``name``. Reads
+    the values: call it on host data (it would synchronise with a device tensor)."""
     try:
         ids = torch.as_tensor(ids)
     except (OverflowError, ValueError):  # ids beyond int64
@@ -35,7 +35,7 @@ def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int)
         if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size):
             return
         bad = ids[(ids < 0) | (ids >= vocab_size)].unique()[:8].tolist()
-    raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {bad}")
+    raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}); got {bad}")
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
