@@ -258,7 +258,11 @@ def narrow_partials(config: KernelConfig, num_heads: int, max_q_len: int) -> boo
     of no query): it writes few rows, and its 16-bit store goes through shared memory for the
     whole tile, which cost more than it saved (1 x 16k x 16 heads x q_len 1: 15.4 -> 16.0 us); stored
     straight from the wgmma layout, only the query rows, no faster either (in one process: 14.1 ->
-    14.4 us, x q_len 2 16.9 -> 17.7, 8 x 4k 21.4 -> 21.2, 32 x 1k 21.5 -> 21.4).
+    14.4 us, x q_len 2 16.9 -> 17.7, 8 x 4k 21.4 -> 21.2, 32 x 1k 21.5 -> 21.4). Nor where the
+    partials' bytes are a larger share, through the staging (H200, graphs, one process, 16 heads x
+    q_len 1): 8 x 16k 45.8 -> 45.5 us, 32 x 4k 45.8 -> 46.2, 32 x 16k 157.3 -> 156.3, 64 x 4k 82.4 ->
+    81.6, 8 x 16k x q_len 2 47.9 -> 46.9: within 2% either way, short of what 0.8 of the roofline
+    needs there.
     """
     return not config.wgmma or queries_fill_tiles(num_heads, max_q_len)
 

@@ -107,9 +107,16 @@ alike; 128 x 4k x q_len 4: about 174, 183 and 197 us), unrelated to when the fir
 (correlation 0.0-0.3). More, shorter programs, for the hardware to hand the faster SMs more of them,
 were slower still (each pays its query and pipeline fill; more partials): 128 x 1k x q_len 4 65.6
 us at one split, 80.1 at 2, 91.0 at 4; 32 x 4k x q_len 4 66.1 at 4 splits, 75.4 at 8. Evening the
-exits out would take programs claiming kv tiles at run time: among a request's splits (a partial
-each, as now), which evens out only as many SMs as a request has splits, or across requests, where
-each stolen run of tiles needs the other request's query tile and a partial and merge of its own.
+exits out among a request's splits by claiming kv tiles at run time gained nothing (the spread
+presumably is the SMs' shares of a saturated DRAM, not idle time): measured and dropped (H200, graphs, one
+process, split launches over a 16-bit cache): each program walked the first 1/2, 3/4 or 7/8 of its
+even share and then claimed single tiles of the rest by an atomic counter per request and row
+block (the last ticket reset it; warpgroup 1 claimed and published each tile's start to warpgroup
+0 through a slot per stage). 3/4: 8 x 16k x 16 heads 45.5 -> 45.2 us, x q_len 4 47.6 -> 47.8, 32 x
+4k 45.8 -> 45.7, x q_len 4 48.9 -> 49.1, 32 x 16k 154.2 -> 155.2, 1 x 16k 13.3 -> 14.3, 8 x 16k x 128
+heads 74.2 -> 75.9; the other fractions within 1% of it, and the same code with no tiles left to
+claim 0.5-1.5% slower than this tile. Across requests, each stolen run of tiles would need the other
+request's query tile and a partial and merge of its own.
 
 Where a latency-bound split launch's time goes (H200, graphs; a build that stored %globaltimer at
 points of every program of this kernel and of the reduce; medians, microseconds from the first
