@@ -223,6 +223,13 @@ def test_round_trip_with_mtp(tmp_path, variant):
     if cfg.tie_word_embeddings:  # a tied checkpoint that also stores the head (it failed to load: "unexpected")
         tensors = load_file(tmp_path / "model.safetensors")
         save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, tmp_path / "model.safetensors")
+        # A head of its own under a tied config was dropped silently.
+        own_head = tmp_path / "own_head"
+        own_head.mkdir()
+        (own_head / "config.json").write_text((tmp_path / "config.json").read_text())
+        save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, own_head / "model.safetensors")
+        with pytest.raises(CheckpointError, match="tie_word_embeddings=true.*lm_head.weight is not"):
+            load_deepseek(str(own_head), torch.float32)
     loaded = load_deepseek(str(tmp_path), torch.float32)
     loaded_mtp = load_mtp(str(tmp_path), torch.float32, target=loaded)
     seqs = sequences(cfg.vocab_size)

@@ -46,6 +46,12 @@ def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = 
     _check_weights(_own_tensors(DeepseekV3ForCausalLM(config, dtype, "meta")), names, index, path)
     model = DeepseekV3ForCausalLM(config, dtype, device)
     _copy_weights(_own_tensors(model), index)
+    # A head that is not the embedding would be dropped silently (as transformers does).
+    if config.tie_word_embeddings and "lm_head.weight" in index and not _holds(
+            index["lm_head.weight"], "lm_head.weight", model.lm_head.weight):
+        raise CheckpointError(f"{path}: config.json ties the head to the embedding (tie_word_embeddings=true), but "
+                              "the checkpoint's lm_head.weight is not model.embed_tokens.weight: set "
+                              "tie_word_embeddings to false to load that head, or remove it from the checkpoint")
     return model.eval()
 
 
