@@ -28,6 +28,9 @@ class MultiStepDraftBackend:
         num_steps: int,
         topk: int,
     ) -> None:
+        if topk > 1 and not backend_cls.supports_tree_mask:
+            raise ValueError(f"{backend_cls.name} cannot attend with a tree mask, which a topk={topk} draft needs; "
+                             "use topk=1 or a tree-mask backend")
         self.backend_cls = backend_cls
         self.topk = topk
         tree_mask_len = (lambda step: step * topk) if topk > 1 else (lambda step: 0)
@@ -44,6 +47,12 @@ class MultiStepDraftBackend:
                              f"each, got {len(batches)}")
         if not self.steps:  # num_steps 1: the draft runs no forward of its own
             return
+        for backend in self.steps:  # a refused call leaves no step with the previous pass's metadata
+            backend.metadata = None
+        sizes = [batch.batch_size for batch in batches]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"{self.backend_cls.name} multi-step draft: the draft forwards attend over the same "
+                             f"requests, got batches of {sizes}")
         first = self.steps[0]
         first.init_forward_metadata(batches[0])
         for backend, batch in zip(self.steps[1:], batches[1:]):

@@ -91,6 +91,14 @@ class PagedMLABackend:
             skipped = f", except {self.skipped_heads.start}-{self.skipped_heads.stop - 1}" if self.skipped_heads else ""
             raise ValueError(f"{self.name} takes up to {self.max_heads} query heads{skipped}, not {heads} (the "
                              "model's heads on this rank); pick another attention backend")
+        if self.page_sizes is not None and kv.page_size not in self.page_sizes:
+            raise ValueError(f"{self.name} takes pages of {list(self.page_sizes)} tokens, not {kv.page_size}; pick "
+                             "another page_size or attention backend")
+        if kv.device.type == "cuda":  # (on the CPU a test swaps the kernel call for a reference)
+            capability = tuple(torch.cuda.get_device_capability(kv.device))
+            if not self.runs_on(capability):
+                raise ValueError(f"{self.name} needs a {self.required_arch()} GPU, not the SM{capability[0]}"
+                                 f"{capability[1]} GPU {kv.device} (attn.registry.check_device lists those that run here)")
         dtype = kv.kv_buffers[0].dtype
         if not any(KV_DTYPES.get(name) == dtype for name in self.kv_dtypes):
             raise ValueError(f"{self.name} takes kv caches of {[n for n in self.kv_dtypes if n != 'auto']}, not {dtype}; "
@@ -114,6 +122,19 @@ class PagedMLABackend:
             self.tree_mask = torch.zeros(max_batch_size, max_q_len, max_mask_len, dtype=torch.bool, device=kv.device)
         self.workspace = self._allocate_workspace()
 
+    @classmethod
+    def runs_on(cls, capability: Optional[tuple[int, int]]) -> bool:
+        """Whether the kernel runs on a GPU of this compute capability (None: no GPU). required_sm
+        entries: a major (every minor of it) or a (major, minor) pair."""
+        if cls.required_sm is None:
+            return True
+        return capability is not None and (capability[0] in cls.required_sm or capability in cls.required_sm)
+
+    @classmethod
+    def required_arch(cls) -> str:
+        """required_sm for a message: "SM10x", "SM90/SM100" and the like."""
+        return "/".join(f"SM{m}x" if isinstance(m, int) else f"SM{m[0]}{m[1]}" for m in cls.required_sm or ())
+
     def _allocate_workspace(self) -> Optional[torch.Tensor]:
         if self.workspace_bytes == 0:
             return None
@@ -125,7 +146,11 @@ class PagedMLABackend:
 
         shared_block_tables: ``[B, max_pages]`` int32 built by another backend over the same
         requests (the multi-step draft's steps share one table); used as is, not copied.
+        Eager (no graph buffers), contiguous int32 ``seq_lens`` and ``cu_seqlens_q`` are used as
+        they are, not copied: change them only for the next pass. A refused call leaves no
+        metadata, so a forward then raises instead of running on the previous pass's.
         """
+        self.metadata = None
         bs = batch.batch_size
         shapes = (tuple(batch.req_pool_indices.shape), tuple(batch.seq_lens.shape), tuple(batch.cu_seqlens_q.shape))
         if bs > self.max_batch_size or shapes != ((bs,), (bs,), (bs + 1,)):
@@ -136,6 +161,10 @@ class PagedMLABackend:
                              f"({self._graph_buffers.seq_lens.shape[0]}); call init_cuda_graph_state with max_bs >= {bs}")
         if batch.max_kv_len is not None and not (type(batch.max_kv_len) is int and batch.max_kv_len >= 1):
             raise ValueError(f"{self.name}: max_kv_len must be None or an int >= 1, got {batch.max_kv_len!r}")
+        if shared_block_tables is not None and (tuple(shared_block_tables.shape) != (bs, self.max_pages)
+                                                or shared_block_tables.dtype != torch.int32):
+            raise ValueError(f"{self.name}: shared_block_tables must be [{bs}, {self.max_pages}] int32 (this batch's "
+                             f"requests), got {tuple(shared_block_tables.shape)} {shared_block_tables.dtype}")
         tables = shared_block_tables
         if tables is None:
             tables = (self.kv.req_to_token[batch.req_pool_indices][:, :: self.page_size] // self.page_size).int()
@@ -183,6 +212,8 @@ class PagedMLABackend:
         if not 0 <= layer_id < len(self.kv.kv_buffers):
             raise ValueError(f"{self.name}: layer_id must lie in [0, {len(self.kv.kv_buffers)}) (the pool's "
                              f"layers: the model's num_attention_layers), got {layer_id!r}")
+        if batch.num_tokens == 0:  # (kernels take no empty query; nothing to write either)
+            return q.new_empty(0, q.shape[1], KV_LORA_RANK)
         md = self.metadata
         cache = self.kv.kv_buffers[layer_id]
         self._write_kv(cache, kv_new, batch.out_cache_loc)

@@ -12,16 +12,7 @@ import torch
 
 from attn.base import KV_DIM, KV_LORA_RANK
 
-
-def token_to_request(cu_seqlens_q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map each packed query token to (request index, index within its request).
-
-    cu_seqlens_q: ``[B + 1]`` int32. Returns two ``[num_tokens]`` int64 tensors. Tokens from
-    cu_seqlens_q[B] on (padding) count as the last request's, past its query tokens.
-    """
-    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device)
-    req = torch.searchsorted(cu_seqlens_q[1:].long(), tokens, right=True).clamp(max=cu_seqlens_q.shape[0] - 2)
-    return req, tokens - cu_seqlens_q.long()[req]
+_CHUNK_BYTES = 256 << 20  # fp32 scores of one chunk of query positions, all requests and heads
 
 
 def paged_mla_reference(
@@ -45,6 +36,9 @@ def paged_mla_reference(
     it (causal), or with a mask every index before ``seq_lens[b] - M`` plus the masked-in ones of
     the last M. A query that sees nothing outputs 0. Rows from cu_seqlens_q[B] on are padding:
     0 in the result, left as they were in ``out``. Returns ``[T, H, 512]`` in q's dtype.
+    max_q_len bounds every request's query count (a host value, as for the kernels). Memory: the
+    requests' kv ``[B, table width, 576]`` fp32 and scores of up to _CHUNK_BYTES at a time, not a
+    copy of a request's kv per query token.
     """
     num_tokens, num_heads, dim = q.shape
     if dim != KV_DIM or kv_cache.shape[-1] != KV_DIM:
@@ -52,38 +46,44 @@ def paged_mla_reference(
     page_size = kv_cache.shape[1]
     batch_size, max_pages = block_tables.shape
     max_kv = max_pages * page_size
-
-    # Gather every request's kv rows up to the static table width: [B, max_kv, 576]. Pages past a
-    # request's length may hold anything (never read, as in the kernels): slot 0 stands in for them,
-    # and its rows are zeroed, as a NaN there would survive its zero probability.
-    offsets = torch.arange(max_kv, device=q.device)
-    in_request = offsets[None, :] < seq_lens.long()[:, None]  # [B, max_kv]
-    slots = block_tables.long()[:, offsets // page_size] * page_size + offsets % page_size
-    slots = torch.where(in_request, slots, 0)
-    kv = torch.where(in_request[..., None], kv_cache.reshape(-1, KV_DIM)[slots].float() * kv_scale, 0.0)
-
-    req, idx = token_to_request(cu_seqlens_q, num_tokens)
-    seq_lens = seq_lens.long()
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    is_query = idx < q_lens[req]  # [T]: False for padding rows
-    query_pos = seq_lens[req] - q_lens[req] + idx  # [T]
-    visible = (offsets[None, :] < seq_lens[req][:, None]) & is_query[:, None]  # [T, max_kv]
-    if custom_mask is None:
-        visible &= offsets[None, :] <= query_pos[:, None]
-    else:
-        mask_len = custom_mask.shape[2]
-        region_start = seq_lens[req] - mask_len  # [T]
-        rel = (offsets[None, :] - region_start[:, None]).clamp(0, mask_len - 1)
-        in_region = offsets[None, :] >= region_start[:, None]
-        masked_in = torch.gather(custom_mask[req, idx.clamp(max=custom_mask.shape[1] - 1)], 1, rel)
-        visible &= ~in_region | masked_in
-
-    kv_of_token = kv[req]  # [T, max_kv, 576]: fine for a reference, not for long contexts
-    scores = torch.einsum("thd,tkd->thk", q.float(), kv_of_token) * sm_scale
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
-    result = torch.einsum("thk,tkd->thd", probs, kv_of_token[..., :KV_LORA_RANK]).to(q.dtype)
+    result = torch.zeros(num_tokens + 1, num_heads, KV_LORA_RANK, dtype=q.dtype, device=q.device)  # + a trash row
+    if num_tokens > 0 and batch_size > 0 and max_q_len > 0:
+        # Gather every request's kv rows up to the static table width: [B, max_kv, 576]. Pages past
+        # a request's length may hold anything (never read, as in the kernels): slot 0 stands in for
+        # them, and its rows are zeroed, as a NaN there would survive its zero probability.
+        offsets = torch.arange(max_kv, device=q.device)
+        seq_lens = seq_lens.long()
+        in_request = offsets[None, :] < seq_lens[:, None]  # [B, max_kv]
+        slots = block_tables.long()[:, offsets // page_size] * page_size + offsets % page_size
+        slots = torch.where(in_request, slots, 0)
+        kv = torch.where(in_request[..., None], kv_cache.reshape(-1, KV_DIM)[slots].float() * kv_scale, 0.0)
+        # Queries padded per request, [B, max_q_len] cells (no kv copy per token), in chunks of
+        # query positions whose scores stay within _CHUNK_BYTES.
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        chunk = max(1, min(max_q_len, _CHUNK_BYTES // (batch_size * num_heads * max_kv * 4)))
+        for first in range(0, max_q_len, chunk):
+            idx = torch.arange(first, min(first + chunk, max_q_len), device=q.device)  # [C]
+            is_query = idx[None, :] < q_lens[:, None]  # [B, C]
+            token = torch.where(is_query, cu_seqlens_q[:-1].long()[:, None] + idx, num_tokens)  # trash row if not
+            query_pos = seq_lens[:, None] - q_lens[:, None] + idx  # [B, C]
+            visible = in_request[:, None, :] & is_query[..., None]  # [B, C, max_kv]
+            if custom_mask is None:
+                visible &= offsets <= query_pos[..., None]
+            else:
+                mask_len = custom_mask.shape[2]
+                region_start = (seq_lens - mask_len)[:, None, None]  # [B, 1, 1]
+                rel = (offsets - region_start).clamp(0, mask_len - 1).expand(-1, idx.shape[0], -1)
+                rows = custom_mask[:, idx.clamp(max=custom_mask.shape[1] - 1)]  # [B, C, M]
+                visible &= (offsets < region_start) | torch.gather(rows, 2, rel)
+            q_cells = q[token.clamp(max=num_tokens - 1)].float()  # [B, C, H, 576]
+            scores = torch.einsum("bchd,bkd->bchk", q_cells, kv) * sm_scale
+            scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
+            cells = torch.einsum("bchk,bkd->bchd", probs, kv[..., :KV_LORA_RANK])
+            result.index_copy_(0, token.flatten(), cells.flatten(0, 1).to(q.dtype))
+    result = result[:num_tokens]
     if out is None:
         return result
+    is_query = torch.arange(num_tokens, device=q.device) < cu_seqlens_q[-1]  # [T]: False for padding rows
     out.copy_(torch.where(is_query[:, None, None], result, out))
     return out

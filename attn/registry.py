@@ -145,17 +145,10 @@ def check_device(choice: BackendChoice, device: torch.device) -> None:
     device = torch.device(device)
     capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
     for role, cls in choice.classes().items():
-        if _runs_on(cls, capability):
+        if cls.runs_on(capability):
             continue
-        runnable = [n for n in backend_names() if _runs_on(get_backend_class(n), capability)]
+        runnable = [n for n in backend_names() if get_backend_class(n).runs_on(capability)]
         here = (f"SM{capability[0]}{capability[1]} GPU {torch.cuda.get_device_name(device)}" if capability
                 else f"device {device}")
-        arch = "/".join(f"SM{m}x" if isinstance(m, int) else f"SM{m[0]}{m[1]}" for m in cls.required_sm)
-        raise ValueError(f"{cls.name} ({role}) needs a {arch} GPU but runs on the {here}; backends that run here: {runnable}")
-
-
-def _runs_on(cls: type[PagedMLABackend], capability: Optional[tuple[int, int]]) -> bool:
-    """required_sm entries: a major (every minor of it) or a (major, minor) pair."""
-    if cls.required_sm is None:
-        return True
-    return capability is not None and (capability[0] in cls.required_sm or capability in cls.required_sm)
+        raise ValueError(f"{cls.name} ({role}) needs a {cls.required_arch()} GPU but runs on the {here}; backends "
+                         f"that run here: {runnable}")

@@ -147,14 +147,24 @@ class MLAKVPool:
         """The pages ``trim_many(rows, num_tokens)`` would return."""
         return int((self.capacity[rows] // self.page_size - self.pages_for(num_tokens)).clip(min=0).sum())
 
+    def shortfall(self, rows: np.ndarray, need: np.ndarray) -> int:
+        """The pages ``grow(rows, need, ...)`` would lack: those the requests need beyond what they
+        hold, less the free ones and those they hold past their own need (0: grow succeeds)."""
+        held = self.capacity[rows] // self.page_size
+        wanted = int((self.pages_for(need) - held).clip(min=0).sum())
+        return max(0, wanted - self.num_free_pages - self.spare_pages(rows, need))
+
     def grow(self, rows: np.ndarray, need: np.ndarray, most: np.ndarray) -> None:
         """Pages for every request ``rows[i]`` to hold ``need[i]`` positions: GROW_AHEAD_PAGES more
         (never past ``most[i]`` >= need[i], what it can ever need) while the pool has them, else
         exactly, else after taking back the pages all of them hold past their own need (earlier
-        grow-ahead); OutOfPagesError (nothing changed but that) if even those are too few."""
+        grow-ahead); OutOfPagesError, changing nothing, if even those are too few (shortfall)."""
         short = np.flatnonzero(need > self.capacity[rows])
         if not short.size:
             return
+        missing = self.shortfall(rows, need)
+        if missing:
+            raise OutOfPagesError(f"need {missing} more KV pages than are free or held ahead of need; raise num_pages")
         grow, exact = rows[short].tolist(), need[short].tolist()
         ahead = np.minimum(need[short] + GROW_AHEAD_PAGES * self.page_size, most[short]).tolist()
         for attempt in (ahead, exact):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from specdec.kv import MLAKVPool
+from specdec.kv import MLAKVPool, OutOfPagesError
 from specdec.state import BatchHost, last_step_n
 
 
@@ -69,7 +69,14 @@ class BatchPages:
         pool's req_to_token write (host work and a copy) comes every few pages, not every page."""
         if not (h.seq_len > h.room).any():
             return
-        for pool, rows, need, most in self.needs(h):
+        needs = list(self.needs(h))
+        # Both pools are checked before either grows: a refused step changes neither.
+        for (pool, rows, need, _), name in zip(needs, ("target", "draft")):
+            missing = pool.shortfall(rows, need)
+            if missing:
+                raise OutOfPagesError(f"the next step needs {missing} more KV pages of the {name} pool than are free "
+                                      "or held ahead of need; abort a request or raise SpecConfig.num_pages")
+        for pool, rows, need, most in needs:
             pool.grow(rows, need, most)
         h.room = self.room(h)
 

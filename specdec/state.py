@@ -20,10 +20,11 @@ def last_step_n(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens - 2
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """Host-side view of one request: its prompt, the tokens emitted so far (``output``, the
-    prefill's token first) and its KV rows.
+    prefill's token first) and its KV rows. Compared and hashed by identity, as abort takes them:
+    an engine can key its own tables by the objects add_requests returns.
 
     seq_len (N, the target's KV length while it runs: prompt and every output but the last) and
     last_n (the N of its last possible step) are the worker's record, kept apart from output and

@@ -227,3 +227,12 @@ def test_a_table_width_the_kernel_refuses_is_refused_at_construction():
     with pytest.raises(ValueError, match="cutedsl_mla needs block tables spanning a multiple of 128 tokens, not 64.*"
                                          "raise max_context_len to 128"):
         CuteDslMLABackend(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), max_batch_size=1, max_q_len=1)
+
+
+@pytest.mark.parametrize("cls", BLACKWELL)
+def test_built_directly_a_backend_refuses_pages_its_kernel_refuses(cls):
+    """The registry swaps in pages of 64 with a warning; built directly, the kernel refused them at the
+    first call, after that pass's cache write."""
+    pool = MLAKVPool(1, 16, 16, 1, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"{cls.name} takes pages of \[32, 64\] tokens, not 16"):
+        cls(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), max_batch_size=2, max_q_len=1)

@@ -309,6 +309,8 @@ def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
         with pytest.raises(ValueError, match=needle):  # by id or with a copy, it freed nothing and said nothing
             worker.abort(wrong)
     assert worker.requests == reqs
+    # By identity, as abort takes them: an engine keys its tables by them (a dataclass was unhashable).
+    assert len({*reqs}) == 3 and copy.copy(reqs[1]) != reqs[1]
     worker.abort([reqs[1]])
     worker.abort([reqs[1]])  # no longer running: nothing to do
     assert reqs[1].finished and reqs[1].output == emitted and worker.requests == [reqs[0], reqs[2]]

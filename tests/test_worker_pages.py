@@ -197,3 +197,39 @@ def test_a_request_of_one_new_token_needs_only_its_prompt(target, mtp, draft_mod
     req, = worker.add_requests([prompt], 1)
     assert req.finished and req.output == greedy_generate(target, [prompt], 1)[0] and not worker.requests
     assert free_pages(worker) == (worker.config.pool_pages - 1,) * 2
+
+
+def test_a_step_refused_for_pages_changes_neither_pool():
+    """The target pool grew before the draft pool ran short (and a pool trimmed its grow-ahead
+    before finding too few): the refused step had taken pages. Scans pool sizes for steps that run
+    out, each of which must leave free pages and every request's capacity as they were, and
+    decode losslessly once a request is aborted."""
+    from toy_models import ToyTarget, noisy_twin
+
+    target = ToyTarget(vocab=64)
+    draft = StandaloneDraft(noisy_twin(target))
+    refused = 0
+    for num_pages in range(8, 30):
+        cfg = SpecConfig(num_steps=3, draft_mode="standalone", page_size=4, max_batch_size=3, max_context_len=128,
+                         num_pages=num_pages)
+        worker = EagleWorker(target, draft, cfg)
+        try:
+            requests = worker.add_requests([[1, 2, 3], [4, 5]], 40)
+        except (OutOfPagesError, ValueError):
+            continue
+        while worker.requests:
+            held = {r.rid: (worker.target_pool.capacity[r.target_row], worker.draft_pool.capacity[r.draft_row])
+                    for r in worker.requests}
+            before = free_pages(worker), held
+            try:
+                worker.step()
+            except OutOfPagesError:
+                refused += 1
+                after = free_pages(worker), {r.rid: (worker.target_pool.capacity[r.target_row],
+                                                     worker.draft_pool.capacity[r.draft_row]) for r in worker.requests}
+                assert after == before, num_pages
+                worker.abort([worker.requests[-1]])
+        for request in requests:
+            expected = greedy_generate(target, [request.prompt], 40)[0]
+            assert request.output == expected[:len(request.output)]
+    assert refused > 0
