@@ -67,10 +67,9 @@ def with_seeds(params: list[SamplingParams]) -> list[SamplingParams]:
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """The distribution each request samples from. logits ``[N, V]``; per-row parameters ``[N]``.
 
-    Temperature 0 gives a one-hot of the first maximum (torch.argmax's, as target-only greedy
-    decoding picks). Returns ``[N, V]`` fp32.
+    Temperature 0 gives a one-hot of torch.argmax's choice, as target-only greedy decoding picks
+    (non-finite logits included). Returns ``[N, V]`` fp32.
     """
-    greedy = temperature <= 0
     scaled = tempered(logits, temperature)
     # Stable: tied logits keep index order, so rank 0 is argmax's choice.
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
@@ -82,10 +81,10 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     # the fp32 running sum reaches 1 before the tail, which top_p = 1 must keep.
     beyond_p = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
     drop |= beyond_p & (top_p < 1)[:, None] & (ranks > 0)
-    drop |= greedy[:, None] & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    return torch.zeros_like(probs).scatter_(-1, order, probs)
+    probs = torch.zeros_like(sorted_probs).scatter_(-1, order, torch.softmax(sorted_logits, dim=-1))
+    greedy = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where((temperature <= 0)[:, None], greedy, probs)
 
 
 def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, draw: int) -> torch.Tensor:

@@ -114,6 +114,50 @@ def test_tiny_temperatures_and_top_p_stay_finite():
     assert ids[:, 0].tolist() == [1, 1, 1, 1]
 
 
+def test_non_finite_logits_give_argmax_to_greedy_rows_and_a_distribution_to_sampled_ones():
+    """A 16-bit head that overflowed (+inf) or a NaN logit made the whole row NaN, sampled as the
+    last token id, greedy rows included (target-only greedy takes torch.argmax)."""
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[1.0, inf, 2.0, inf, 0.5], [1.0, 3.0, nan, 2.0, 0.5], [-inf] * 5, [nan, -inf, nan, -inf, nan],
+                         [1.0, 3.0, -inf, 2.0, inf]])
+    n = rows.shape[0]
+    for temperature in (0.0, 1.0):
+        probs = target_probs(rows, torch.full((n,), temperature), torch.ones(n), torch.zeros(n, dtype=torch.long))
+        assert probs.isfinite().all()
+        torch.testing.assert_close(probs.sum(-1), torch.ones(n))
+        if temperature == 0:
+            assert torch.equal(probs.argmax(-1), rows.argmax(-1)) and torch.equal(probs.amax(-1), torch.ones(n))
+    finite_row = torch.tensor([1.0, 3.0, -inf, 2.0, 0.5])  # row 1 with its NaN as -inf
+    expected = torch.stack([torch.tensor([0, 0.5, 0, 0.5, 0]), torch.softmax(finite_row, -1), torch.full((5,), 0.2),
+                            torch.full((5,), 0.2), torch.tensor([0, 0, 0, 0, 1.0])])
+    torch.testing.assert_close(probs, expected)
+    _, ids = topk_probs(rows, 1, torch.ones(n))
+    assert ids[[0, 1, 4], 0].tolist() == [1, 1, 4]
+
+
+def test_worker_decodes_a_target_with_an_infinite_logit_as_target_only_greedy():
+    from toy_models import ToyTarget, noisy_twin
+
+    class Overflowing(ToyTarget):
+        def compute_logits(self, hidden):
+            logits = super().compute_logits(hidden)
+            logits[:, 5] = float("inf")
+            return logits
+
+    target = Overflowing(vocab=32, seed=3)
+    expected = greedy_generate(target, [[1, 2, 3]], 8)[0]
+    for sampling in (False, True):
+        cfg = SpecConfig(num_steps=2, draft_mode="standalone", enable_sampling=sampling, page_size=4, max_batch_size=2,
+                         max_context_len=64)
+        worker = EagleWorker(target, StandaloneDraft(noisy_twin(target)), cfg)
+        params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1)] if sampling else None
+        reqs = worker.add_requests([[1, 2, 3]] * (2 if sampling else 1), 8, sampling=params)
+        while worker.requests:
+            worker.step()
+        # (the prefill's token was the last id, and with sampling every token)
+        assert all(r.output == expected == [5] * 8 for r in reqs)
+
+
 def test_top_p_one_keeps_the_whole_vocabulary():
     """fp32's running sum reaches 1 before a long tail ends: top_p = 1 must not cut it there."""
     logits = torch.randn(8, 129280, generator=torch.Generator().manual_seed(0)) * 3
