@@ -7,10 +7,15 @@ H100's L2), so that small cases do not run from L2. Roofline = max(KV bytes / me
 bandwidth, FLOPs / 790 TFLOP/s) with KV bytes = tokens * 576 * 2 (--kv-dtype fp8: * 1) and
 FLOPs = tokens * heads * q_len * 1088 * 2. err / fa3_err: each kernel's largest error on the first
 request's output after the graph replays, against an fp32 attention, relative to the largest
-output value; check says BAD past check_bound (2**-7, or twice FA3's error up to 2**-6).
-targets: the issue's targets that apply to the row and whether it meets them (2x FA3 where FA3 is
-below 0.4 of the roofline, else 0.9x; 0.8 of the roofline where memory-bound and batch x seq_len
->= 128k tokens); a count of each follows the table.
+output value; fa3_diff: the largest difference between the two kernels' whole outputs (every
+request), on the same scale; check says BAD where err is past check_bound (2**-7, or twice FA3's
+error up to 2**-6) or fa3_diff past twice that. targets: the issue's targets that apply to the row
+and whether it meets them (2x FA3 where FA3 is below 0.4 of the roofline at q_len 1-4, else 0.9x;
+0.8 of the roofline where memory-bound and batch x seq_len >= 128k tokens); a count of each
+follows the table. Our kernels are programmatic dependent launches (SM90+; FlashInfer 0.7's FA3
+run() is not): each is set up while the kernel before it in the graph, here its own previous
+call, drains (0.5-0.8 us of a latency-bound call on the H100), as it is behind any kernel in an
+engine's step.
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--kv-dtype fp8]
                                      [--table-tokens 131072 [--kv-bound]] [--heads 4 --q-lens 1 4 16]
@@ -164,7 +169,7 @@ class Case:
         num_pages = batch * pages_per_req
         self.kv_row_bytes = 576 * kv_dtype.itemsize
         copy_bytes = num_pages * PAGE_SIZE * self.kv_row_bytes
-        self.rotations = max(1, min(MAX_ROTATIONS, ROTATE_BYTES // copy_bytes))
+        self.rotations = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / copy_bytes)))
         table_pages = max(pages_per_req, math.ceil((table_tokens or 0) / PAGE_SIZE))
         # Rotation r's cache: its own num_pages pages, then (as far as the table's width needs, for
         # the plan bounds sequences by the cache too) the next rotations' and unfilled pages, which
@@ -293,11 +298,13 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     row = dict(case.plan_fields(), triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
                frac_roofline=roof_us / ours_us, bound="memory" if memory_bound else "compute",
                sm_mhz=float("nan"), watts=float("nan"), fa3_us=float("nan"), fa3_frac=float("nan"),
-               speedup_vs_fa3=float("nan"), err=err, fa3_err=float("nan"))
+               speedup_vs_fa3=float("nan"), err=err, fa3_err=float("nan"), fa3_diff=float("nan"))
     if fa3:
         row.update(fa3_us=fa3_us[0], fa3_frac=roof_us / fa3_us[0], speedup_vs_fa3=fa3_us[0] / ours_us,
-                   fa3_err=relative_error(fa3[1]))
-    row["check"] = "ok" if err <= check_bound(row["fa3_err"]) else "BAD"
+                   fa3_err=relative_error(fa3[1]),
+                   fa3_diff=(case.out.float() - fa3[1].float()).abs().max().item() / scale)
+    bound = check_bound(row["fa3_err"])
+    row["check"] = "ok" if err <= bound and not row["fa3_diff"] > 2 * bound else "BAD"
     row["targets"] = targets(row, case.batch * case.seq_len, memory_bound)
     # Last: its half second at full load must not heat the board for either timing.
     row["sm_mhz"], row["watts"] = sustained_clock(ours_calls)
@@ -313,11 +320,11 @@ def check_bound(fa3_err: float) -> float:
 
 def targets(row: dict, tokens: int, memory_bound: bool) -> str:
     """The issue's targets that apply to a row, each ``name:yes`` or ``name:no``: 2x FA3 where FA3
-    is below 0.4 of the roofline, else 0.9x FA3 (neither without FA3), and 0.8 of the roofline where
-    the shape is memory-bound and batch x seq_len >= 128k tokens."""
+    is below 0.4 of the roofline at q_len 1-4 (the issue's), else 0.9x FA3 (neither without FA3),
+    and 0.8 of the roofline where the shape is memory-bound and batch x seq_len >= 128k tokens."""
     met = []
     if not math.isnan(row["fa3_frac"]):
-        need = 2.0 if row["fa3_frac"] < 0.4 else 0.9
+        need = 2.0 if row["fa3_frac"] < 0.4 and row["q_len"] <= 4 else 0.9
         met.append((f"{need:g}x", row["speedup_vs_fa3"] >= need))
     if memory_bound and tokens >= ROOFLINE_TARGET_TOKENS:
         met.append(("0.8roof", row["frac_roofline"] >= 0.8))
@@ -328,8 +335,8 @@ COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads
            ("splits", "{:>6}"), ("kernel", "{:>6}"),
            ("triton_us", "{:>9.1f}"), ("gb_s", "{:>7.0f}"), ("roofline_us", "{:>11.1f}"),
            ("frac_roofline", "{:>13.2f}"), ("bound", "{:>7}"), ("sm_mhz", "{:>6.0f}"), ("watts", "{:>5.0f}"),
-           ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.2f}"), ("speedup_vs_fa3", "{:>14.2f}"), ("err", "{:>7.4f}"),
-           ("fa3_err", "{:>7.4f}"), ("check", "{:>5}"), ("targets", "{:<17}")]
+           ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.3f}"), ("speedup_vs_fa3", "{:>14.2f}"), ("err", "{:>7.4f}"),
+           ("fa3_err", "{:>7.4f}"), ("fa3_diff", "{:>8.4f}"), ("check", "{:>5}"), ("targets", "{:<17}")]
 
 
 
