@@ -120,6 +120,11 @@ class GraphRunner:
         # worker frees the graphs at once, never in a garbage collection during another capture.
         if worker.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {worker.device}")
+        # That allocator captures allocations as graph nodes, which a child graph (joined.py) must
+        # not hold; Triton also refused its pointers at the first capture.
+        if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+            raise ValueError("GraphRunner needs PyTorch's native CUDA allocator, not cudaMallocAsync: drop "
+                             "backend:cudaMallocAsync from PYTORCH_CUDA_ALLOC_CONF")
         # The captures' warm-ups run the verify stage, whose copy to the host the step in flight awaits.
         worker.check_idle("GraphRunner")
         self.worker = weakref.proxy(worker)

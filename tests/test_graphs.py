@@ -286,6 +286,11 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
     worker.finish_step(in_flight)
     with pytest.raises(ValueError, match="batch_sizes is empty"):  # it fell back to the default buckets
         GraphRunner(worker, [], progress=False)
+    # Under cudaMallocAsync, Triton refused the captures' pointers (and child graphs refuse allocations).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+        with pytest.raises(ValueError, match="native CUDA allocator, not cudaMallocAsync"):
+            GraphRunner(worker, [1, 2, 4], progress=False)
     runner = GraphRunner(worker, np.array([1, 2, 4]), progress=False)
     assert runner.buckets == [1, 2, 4] and all(type(b) is int for b in runner.buckets)
     first = worker.launch_step()
