@@ -36,9 +36,11 @@ def paged_mla_reference(
     it (causal), or with a mask every index before ``seq_lens[b] - M`` plus the masked-in ones of
     the last M. A query that sees nothing outputs 0. Rows from cu_seqlens_q[B] on are padding:
     0 in the result, left as they were in ``out``. Returns ``[T, H, 512]`` in q's dtype.
-    max_q_len bounds every request's query count (a host value, as for the kernels). Memory: the
-    requests' kv ``[B, table width, 576]`` fp32 and scores of up to _CHUNK_BYTES at a time, not a
-    copy of a request's kv per query token.
+    max_q_len bounds every request's query count (a host value, as for the kernels; queries past it
+    come back 0). Queries are padded to ``[B, max_q_len]``, so the work grows with B x max_q_len
+    (one long prompt among short ones pays for the padding). Memory: the requests' kv ``[B, table
+    width, 576]`` fp32 and, a chunk of query positions at a time, scores and probabilities of up to
+    _CHUNK_BYTES each (one query position at least), not a copy of a request's kv per query token.
     """
     num_tokens, num_heads, dim = q.shape
     if dim != KV_DIM or kv_cache.shape[-1] != KV_DIM:
@@ -76,9 +78,10 @@ def paged_mla_reference(
                 rows = custom_mask[:, idx.clamp(max=custom_mask.shape[1] - 1)]  # [B, C, M]
                 visible &= (offsets < region_start) | torch.gather(rows, 2, rel)
             q_cells = q[token.clamp(max=num_tokens - 1)].float()  # [B, C, H, 576]
-            scores = torch.einsum("bchd,bkd->bchk", q_cells, kv) * sm_scale
-            scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
+            scores = torch.einsum("bchd,bkd->bchk", q_cells, kv).mul_(sm_scale)
+            scores.masked_fill_(~visible[:, :, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all-masked rows -> 0
+            del scores
             cells = torch.einsum("bchk,bkd->bchd", probs, kv[..., :KV_LORA_RANK])
             result.index_copy_(0, token.flatten(), cells.flatten(0, 1).to(q.dtype))
     result = result[:num_tokens]

@@ -124,7 +124,7 @@ class GraphRunner:
         # not hold; Triton also refused its pointers at the first capture.
         if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
             raise ValueError("GraphRunner needs PyTorch's native CUDA allocator, not cudaMallocAsync: drop "
-                             "backend:cudaMallocAsync from PYTORCH_CUDA_ALLOC_CONF")
+                             "backend:cudaMallocAsync from PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF")
         # The captures' warm-ups run the verify stage, whose copy to the host the step in flight awaits.
         worker.check_idle("GraphRunner")
         self.worker = weakref.proxy(worker)

@@ -2,7 +2,7 @@
 
 import math
 
-from benchmarks.mla_kernels import targets
+from benchmarks.mla_kernels import output_check, targets
 
 
 def verdict(fa3_frac: float, q_len: int, speedup: float, frac_roofline: float, tokens: int, memory_bound: bool) -> str:
@@ -23,3 +23,13 @@ def test_the_issue_targets_apply_where_the_issue_says():
     assert verdict(0.9, 1, 1.0, 0.5, 1 << 20, False) == "0.9x:yes"
     # no FA3: no ratio target
     assert verdict(math.nan, 1, math.nan, 0.9, 1 << 20, True) == "0.8roof:yes"
+
+
+def test_the_output_check_catches_a_nan_in_any_request():
+    nan = math.nan
+    assert output_check(0.003, 0.003, 0.01, True) == "ok"
+    assert output_check(0.003, 0.003, nan, True) == "BAD"  # a NaN past the first request (it passed as ok)
+    assert output_check(0.003, 0.003, 0.02, True) == "BAD"  # twice 2**-7 is 0.0156
+    assert output_check(nan, 0.003, 0.01, True) == "BAD"
+    assert output_check(0.003, nan, nan, False) == "ok"  # no FA3: the first request's error alone
+    assert output_check(0.01, 0.006, 0.01, True) == "ok"  # FA3's own error widens the bound, to 2**-6 at most

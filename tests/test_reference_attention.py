@@ -32,7 +32,10 @@ def naive(q, kv_cache, block_tables, seq_lens, cu, scale, mask=None):
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("masked", [False, True])
-def test_matches_naive(page_size, masked):
+@pytest.mark.parametrize("chunk_bytes", [None, 1])  # 1: a chunk of one query position
+def test_matches_naive(page_size, masked, chunk_bytes, monkeypatch):
+    if chunk_bytes is not None:
+        monkeypatch.setattr("attn.reference._CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(page_size)
     heads, num_pages, bs = 3, 40, 3
     kv_cache = torch.randn(num_pages, page_size, 576, generator=g)
