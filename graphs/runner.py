@@ -121,8 +121,9 @@ class GraphRunner:
         if worker.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {worker.device}")
         # That allocator captures allocations as graph nodes, which a child graph (joined.py) must
-        # not hold; Triton also refused its pointers at the first capture.
-        if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        # not hold; Triton also refused its pointers at the first capture. (A CPU-only torch, which
+        # tests give a stand-in CUDA worker, has no allocator to ask.)
+        if torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
             raise ValueError("GraphRunner needs PyTorch's native CUDA allocator, not cudaMallocAsync: drop "
                              "backend:cudaMallocAsync from PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF")
         # The captures' warm-ups run the verify stage, whose copy to the host the step in flight awaits.
