@@ -228,7 +228,9 @@ def test_round_trip_with_mtp(tmp_path, variant):
         own_head.mkdir()
         (own_head / "config.json").write_text((tmp_path / "config.json").read_text())
         save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, own_head / "model.safetensors")
-        with pytest.raises(CheckpointError, match="tie_word_embeddings=true.*lm_head.weight is not"):
+        with pytest.raises(CheckpointError, match="tie_word_embeddings=true.*lm_head.weight is not"), \
+                pytest.MonkeyPatch.context() as patch:  # refused before the model is built and loaded
+            patch.setattr("specdec.models.loader._copy_weights", lambda *a: pytest.fail("loaded before refusing"))
             load_deepseek(str(own_head), torch.float32)
     loaded = load_deepseek(str(tmp_path), torch.float32)
     loaded_mtp = load_mtp(str(tmp_path), torch.float32, target=loaded)

@@ -44,14 +44,18 @@ def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = 
     if config.tie_word_embeddings:  # a copy of the tied head is redundant (transformers ties it too)
         names = [n for n in names if n != "lm_head.weight"]
     _check_weights(_own_tensors(DeepseekV3ForCausalLM(config, dtype, "meta")), names, index, path)
+    if config.tie_word_embeddings and "lm_head.weight" in index:
+        # A head that is not the embedding would be dropped silently (as transformers does). Checked
+        # before the build, against the embedding as stored (tied models are small ones).
+        embed = "model.embed_tokens.weight"
+        with safe_open(index[embed], "pt") as f:
+            stored = f.get_tensor(embed)
+        if not _holds(index["lm_head.weight"], "lm_head.weight", stored):
+            raise CheckpointError(f"{path}: config.json ties the head to the embedding (tie_word_embeddings=true), "
+                                  f"but the checkpoint's lm_head.weight is not {embed}: set tie_word_embeddings to "
+                                  "false to load that head, or remove it from the checkpoint")
     model = DeepseekV3ForCausalLM(config, dtype, device)
     _copy_weights(_own_tensors(model), index)
-    # A head that is not the embedding would be dropped silently (as transformers does).
-    if config.tie_word_embeddings and "lm_head.weight" in index and not _holds(
-            index["lm_head.weight"], "lm_head.weight", model.lm_head.weight):
-        raise CheckpointError(f"{path}: config.json ties the head to the embedding (tie_word_embeddings=true), but "
-                              "the checkpoint's lm_head.weight is not model.embed_tokens.weight: set "
-                              "tie_word_embeddings to false to load that head, or remove it from the checkpoint")
     return model.eval()
 
 
