@@ -208,6 +208,12 @@ def test_a_step_refused_for_pages_changes_neither_pool():
 
     target = ToyTarget(vocab=64)
     draft = StandaloneDraft(noisy_twin(target))
+
+    def pools(worker) -> tuple:
+        """Free pages, and each running request's capacity in both pools."""
+        return free_pages(worker), {r.rid: (worker.target_pool.capacity[r.target_row],
+                                            worker.draft_pool.capacity[r.draft_row]) for r in worker.requests}
+
     refused = 0
     for num_pages in range(8, 30):
         cfg = SpecConfig(num_steps=3, draft_mode="standalone", page_size=4, max_batch_size=3, max_context_len=128,
@@ -218,16 +224,12 @@ def test_a_step_refused_for_pages_changes_neither_pool():
         except (OutOfPagesError, ValueError):
             continue
         while worker.requests:
-            held = {r.rid: (worker.target_pool.capacity[r.target_row], worker.draft_pool.capacity[r.draft_row])
-                    for r in worker.requests}
-            before = free_pages(worker), held
+            before = pools(worker)
             try:
                 worker.step()
             except OutOfPagesError:
                 refused += 1
-                after = free_pages(worker), {r.rid: (worker.target_pool.capacity[r.target_row],
-                                                     worker.draft_pool.capacity[r.draft_row]) for r in worker.requests}
-                assert after == before, num_pages
+                assert pools(worker) == before, num_pages
                 worker.abort([worker.requests[-1]])
         for request in requests:
             expected = greedy_generate(target, [request.prompt], 40)[0]
