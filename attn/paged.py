@@ -306,6 +306,13 @@ class PagedMLABackend:
         """
         raise NotImplementedError(f"{type(self).__name__} defines no decode kernel")
 
+    @classmethod
+    def prefill_chunk_len(cls, max_q_len: int, max_seq_len: int) -> int:
+        """Query tokens a request of each decode-kernel call of the default ``_run_prefill_kernel``
+        (max_q_len and max_seq_len: the pass's host bounds, which every request's q_len <= L lies
+        within)."""
+        return min(cls.max_decode_q_len or max_q_len, max_seq_len)
+
     def _run_prefill_kernel(
         self,
         query: torch.Tensor,
@@ -318,24 +325,25 @@ class PagedMLABackend:
     ) -> torch.Tensor:
         """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
 
-        Default: the decode kernel over chunks of ``chunk`` query tokens per request (at most
-        max_decode_q_len, max_q_len and max_seq_len). Chunk j (from the end) of a request of kv
-        length L holds kv positions ``[E - chunk, E)`` and sees kv length E, with E = max(L - j *
-        chunk, chunk): right-aligned at L, the earliest chunk at position 0. So no chunk sees fewer
-        kv rows than its query tokens (the decode kernels assume a kv row at every query position)
-        or more than max(L, chunk), within max_seq_len. Each chunk gathers its ``[B, chunk]`` cells
-        from query (the new tokens at positions no later chunk holds) and scatters its output back;
-        the other cells are padding: they read the last token and write a trash row, and a chunk of them
-        alone sees the first ``chunk`` kv rows, not a long cached prefix. A request shorter than a
-        chunk has its chunk read kv rows past L, hidden from its tokens by the causal mask: they
-        must hold finite values (KVCacheView), as 0 x NaN in softmax x V is NaN. O(B x max_q_len)
-        rows in all, no host sync.
+        Default: the decode kernel over chunks of ``chunk`` (prefill_chunk_len) query tokens per
+        request: max_decode_q_len (within max_seq_len) whatever the prompts' lengths, so a family
+        that compiles a kernel per q_len (tokenspeed-mla) compiles one for prefill, not one per short
+        prompt (tests/test_sm100_compile.py compiles that width); max_q_len where the kernel takes any.
+        Chunk j (from the end) of a request of kv length L holds kv positions ``[E - chunk, E)`` and
+        sees kv length E, with E = max(L - j * chunk, chunk): right-aligned at L, the earliest chunk
+        at position 0. So no chunk sees fewer kv rows than its query tokens (the decode kernels
+        assume a kv row at every query position) or more than max(L, chunk), within max_seq_len.
+        Each chunk gathers its ``[B, chunk]`` cells from query (the new tokens at positions no later
+        chunk holds) and scatters its output back; the other cells are padding: they read the last
+        token and write a trash row, and a chunk of them alone sees the first ``chunk`` kv rows, not
+        a long cached prefix. A request shorter than a chunk has its chunk read kv rows past L,
+        hidden from its tokens by the causal mask: they must hold finite values (KVCacheView), as
+        0 x NaN in softmax x V is NaN. O(B x max(max_q_len, chunk)) rows in all, no host sync.
         """
         num_tokens, heads = query.shape[:2]
         if num_tokens == 0:
             return query.new_empty(0, heads, KV_LORA_RANK)
-        # (max_q_len and max_seq_len are host bounds: every request's q_len <= L lies within both)
-        chunk = min(self.max_decode_q_len or max_q_len, max_q_len, max_seq_len)
+        chunk = self.prefill_chunk_len(max_q_len, max_seq_len)
         kv_len = seq_lens.long()
         starts, ends = cu_seqlens_q[:-1].long(), cu_seqlens_q[1:].long()
         first_new = kv_len - (ends - starts)  # [B]: the kv position of each request's first query token

@@ -237,6 +237,32 @@ def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
     assert ChunkedDecodeBackend.kv_lens == [[9, 3, 4, 11], [6, 3, 3, 8], [3, 3, 3, 5], [3, 3, 3, 3]]
 
 
+def test_chunked_prefill_of_short_prompts_keeps_the_chunk_width():
+    """Prompts shorter than max_decode_q_len still go through chunks of max_decode_q_len query
+    tokens (a kernel compiled per q_len then compiles one prefill variant), attending as ragged."""
+    g = torch.Generator().manual_seed(4)
+    pool = MLAKVPool(1, 16, 4, 2, 32, torch.float32)
+    rows = [pool.alloc_request() for _ in range(2)]
+    lens, q_lens = [2, 6], [2, 1]  # a 2-token prompt; a request with 5 cached tokens and one new
+    for row, n in zip(rows, lens):
+        pool.ensure_capacity(row, n)
+    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, generator=g))
+    loc = torch.cat([pool.req_to_token[r, n - q:n] for r, n, q in zip(rows, lens, q_lens)]).long()
+    batch = AttnBatch(ForwardMode.EXTEND, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), loc,
+                      torch.tensor([0, 2, 3], dtype=torch.int32), 2, False)
+    q, kv_new = torch.randn(3, 2, 576, generator=g), torch.randn(3, 576, generator=g)
+    ChunkedDecodeBackend.kv_lens = []
+    outs = []
+    for cls in (TorchRefBackend, ChunkedDecodeBackend):
+        backend = cls(pool.view(), LayerSpec(num_heads=2, sm_scale=0.2), 2, 1)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, kv_new, 0, batch))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    # One call of 3 query tokens a request: the 2-token prompt sees 3 kv rows (the third hidden by
+    # the causal mask), the other request its 6.
+    assert ChunkedDecodeBackend.kv_lens == [[3, 6]]
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_chunked_prefill_of_random_batches_matches_ragged(seed):
     """Random prefixes (0 to 9 cached tokens), new-token counts (0 to 13) and chunk sizes (1 to 8),
@@ -279,7 +305,9 @@ def test_chunked_prefill_of_random_batches_matches_ragged(seed):
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    assert calls
+    # One width whatever the requests' lengths: a kernel compiled per q_len compiles once for prefill.
+    assert {(q_len, max_seq_len) for q_len, _, max_seq_len in calls} == {(min(chunk, max(lens) if seed % 2 else 24),
+                                                                         max(lens) if seed % 2 else 24)}
     for q_len, kv_lens, max_seq_len in calls:
         assert all(q_len <= n <= min(max(length, q_len), max_seq_len) for n, length in zip(kv_lens, lens)), (
             q_len, kv_lens, lens, max_seq_len)

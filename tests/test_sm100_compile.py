@@ -235,6 +235,24 @@ def _serving_shapes(backend: str, kv_dtype: str, batch_sizes: list[int], num_hea
                  max_seq_len=cfg.max_context_len) for q_len in sorted(q_lens) for bs in batch_sizes]
 
 
+def _prefill_shapes(backend: str, kv_dtype: str, num_heads: int, page_size: int = SERVING["page_size"]) -> list[dict]:
+    """The family's prefill passes where it serves them through its decode kernel in chunks
+    (PagedMLABackend.prefill_chunk_len): eager, so any batch up to max_batch_size, over block
+    tables max_context_len wide; none where another family serves prefill."""
+    from attn.base import KV_DTYPES as POOL_DTYPES
+    from attn.registry import get_backend_class
+    from specdec.config import SpecConfig
+
+    cfg = SpecConfig(**{**SERVING, "page_size": page_size}, attention_backend=backend, kv_dtype=kv_dtype)
+    if cfg.backends.prefill != backend:
+        return []
+    cls = get_backend_class(backend)
+    # Prompts of any length: one width (the chunk does not follow the prompts).
+    (q_len,) = {cls.prefill_chunk_len(max_q_len, cfg.max_context_len) for max_q_len in range(1, cfg.max_context_len + 1)}
+    return [dict(num_heads=num_heads, q_len=q_len, page_size=page_size, kv_dtype=POOL_DTYPES[kv_dtype], batch_size=bs,
+                 max_seq_len=cfg.max_context_len) for bs in range(1, cfg.max_batch_size + 1)]
+
+
 SERVING_BACKENDS = [
     pytest.param("tokenspeed_mla", "fp8_e4m3", id="tokenspeed_mla"),
     pytest.param("cutedsl_mla", "bf16", id="cutedsl_mla"),
@@ -252,10 +270,12 @@ def _variant_fn(backend: str):
 @pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
 def test_every_variant_the_worker_requests_compiles(backend, kv_dtype, record_property) -> None:
     """The variants at the graph runner's default buckets (1, 2, 4, 8, 16, ... 64) and the
-    verify, draft and draft-extend q_lens the family serves, each compiled once."""
+    verify, draft and draft-extend q_lens the family serves, and its prefill chunks at every batch
+    size (eager), each compiled once."""
     from graphs.runner import default_buckets
 
     shapes = _serving_shapes(backend, kv_dtype, default_buckets(SERVING["max_batch_size"]), SERVING_HEADS)
+    shapes += _prefill_shapes(backend, kv_dtype, SERVING_HEADS)
     variants = distinct_variants(_variant_fn(backend), shapes)
     # Split-KV follows the batch size: more than one variant per q_len.
     assert len({shape["q_len"] for shape in shapes}) < len(variants) < len(shapes)
@@ -271,6 +291,7 @@ def test_every_eager_batch_size_is_a_variant_the_library_takes(backend, kv_dtype
     """Eager batches take any size up to max_batch_size: each size's variant is one the library's
     own checks accept (captured, not compiled: ~0.01 s each)."""
     shapes = _serving_shapes(backend, kv_dtype, list(range(1, SERVING["max_batch_size"] + 1)), num_heads, page_size)
+    shapes += _prefill_shapes(backend, kv_dtype, num_heads, page_size)
     variants = distinct_variants(_variant_fn(backend), shapes)  # KernelUnsupportedError: a size refused
     assert {(v.kwargs["num_heads"], v.kwargs["page_size"]) for v, _ in variants} == {(num_heads, page_size)}
     assert all(v.kwargs["seq_len_q"] == shape["q_len"] for v, asked in variants for shape in asked)
