@@ -164,6 +164,67 @@ def test_flashinfer_call_binds_to_the_installed_signature(monkeypatch, cls):
         assert counters == [None, None]
 
 
+def documented_decode(query, kv_cache, block_tables, seq_lens, qk_scale, out_scale):
+    """What both libraries document for their MLA decode: query ``[B, q_len, H, 576]`` and kv
+    ``[pages, (1,) page_size, 576]`` in one dtype, read as stored; row i of a request of kv length
+    L sees kv positions < L - q_len + i + 1; out = out_scale * softmax(qk_scale * q.k) . v, with v
+    the first 512 columns; ``[B, q_len, H, 512]`` bf16."""
+    assert query.dtype == kv_cache.dtype
+    pages = kv_cache.reshape(kv_cache.shape[0], -1, 576).float()
+    bs, q_len = query.shape[:2]
+    out = torch.empty(*query.shape[:3], 512)
+    for b in range(bs):
+        length = int(seq_lens[b])
+        kv = pages[block_tables[b].long()].reshape(-1, 576)[:length]
+        for i in range(q_len):
+            seen = kv[: length - q_len + i + 1]
+            weights = torch.softmax(qk_scale * query[b, i].float() @ seen.T, dim=-1)
+            out[b, i] = out_scale * weights @ seen[:, :512]
+    return out.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("cls,kv_dtype", [(TrtllmMLABackend, torch.bfloat16), (TrtllmMLABackend, torch.float8_e4m3fn),
+                                          (CuteDslMLABackend, torch.float8_e4m3fn),
+                                          (TokenspeedMLABackend, torch.float8_e4m3fn)])
+def test_library_call_attends_as_the_library_documents(monkeypatch, cls, kv_dtype):
+    """The real _run_decode_kernel with the library's entry point replaced by its documented
+    semantics (arguments bound by name to the installed signature): a swapped, dropped or wrong
+    scale, dtype, layout or length shows as a wrong attention. Expected: plain attention over the
+    dequantised cache (kv_scale 0.5 for fp8) with the layer's softmax scale, for the query in the
+    cache's dtype (what the kernels take, q_scale 1), causal within the verify block."""
+    import inspect
+
+    if cls is TokenspeedMLABackend:
+        module = pytest.importorskip("tokenspeed_mla")
+        entry, scales = "tokenspeed_mla_decode", ("softmax_scale", "output_scale")
+    else:
+        pytest.importorskip("flashinfer")
+        import flashinfer.mla as module
+        entry, scales = "trtllm_batch_decode_with_kv_cache_mla", ("bmm1_scale", "bmm2_scale")
+    signature = inspect.signature(getattr(module, entry))
+
+    def library(*args, **kwargs):
+        arg = signature.bind(*args, **kwargs).arguments
+        return documented_decode(arg["query"], arg["kv_cache"], arg["block_tables"], arg["seq_lens"],
+                                 arg[scales[0]], arg.get(scales[1], 1.0))
+
+    monkeypatch.setattr(module, entry, library)
+    g = torch.Generator().manual_seed(5)
+    kv_scale = 0.5 if kv_dtype == torch.float8_e4m3fn else 1.0
+    pool = MLAKVPool(1, 9, 64, 2, 256, kv_dtype, kv_scale=kv_scale)
+    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, generator=g).to(kv_dtype))
+    backend = cls(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), 2, 4)
+    tables = torch.tensor([[3, 1, 7, 0], [5, 2, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([200, 70], dtype=torch.int32)
+    query = torch.randn(2, 4, 16, 576, generator=g, dtype=torch.bfloat16)
+    out = backend._run_decode_kernel(query, pool.kv_buffers[0], tables, seq_lens, 256, None)
+
+    expected = documented_decode(query.to(kv_dtype).float(), pool.kv_buffers[0].float() * kv_scale, tables, seq_lens,
+                                 0.1, 1.0)
+    assert out.dtype == query.dtype and out.shape == (2, 4, 16, 512)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("cls,dtype", [(TrtllmMLABackend, torch.bfloat16), (TokenspeedMLABackend, torch.float8_e4m3fn)])
 def test_uniform_prefill_longer_than_the_decode_kernel_takes_goes_in_chunks(kernel_calls, cls, dtype):
     """A prefill (EXTEND) pass of uniform query lengths (one request's prompt is one) longer than the
