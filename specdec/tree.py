@@ -35,9 +35,15 @@ def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor]
     """Softmax (at each row's sampling temperature; 0 = greedy keeps 1) then top-k.
 
     logits ``[N, V]``, temperature ``[N]`` -> (probs ``[N, k]`` fp32, ids ``[N, k]`` int64).
+    Without a temperature, a row with a non-finite logit (a 16-bit head that overflowed) scores
+    its k candidates 0: its softmax is NaN, which sorts above every score, so a tree took NaN
+    children of a candidate it had not taken. Only the ``[N, k]`` result is cleaned: ``tempered``
+    makes several more passes over ``[N, V]``.
     """
-    logits = logits.float() if temperature is None else tempered(logits, temperature)
-    return torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    if temperature is None:
+        probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return probs.nan_to_num(nan=0.0), ids
+    return torch.softmax(tempered(logits, temperature), dim=-1).topk(k, dim=-1)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specdec.tree import DraftChain, DraftTree, start_tree
+from specdec.tree import DraftChain, DraftTree, start_tree, topk_probs
 from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
 
@@ -37,6 +37,21 @@ def test_ties_keep_the_tree_ancestor_closed():
     tree.grow(torch.tensor([[[1.0, 0.0], [1.0, 0.0]]]), torch.tensor([[[3, 4], [5, 6]]]))
     vt = tree.build(torch.tensor([0]), num_draft_tokens=3, num_steps=2)
     assert vt.tokens.tolist() == [[0, 1, 2]]  # children tie with their parents and come after them
+
+
+def test_non_finite_draft_logits_keep_the_tree_ancestor_closed():
+    """Greedy draft rows with +inf or NaN logits (a 16-bit head that overflowed) score 0: softmax
+    made them NaN, which sorted above every score, so the tree took the children of a candidate
+    it had not taken and grew its frontier from them."""
+    inf, nan = float("inf"), float("nan")
+    probs, _ = topk_probs(torch.tensor([[0.0, 1.0, inf, 2.0], [nan, 1.0, 3.0, nan], [0.0, 1.0, 3.0, 2.0]]), 2)
+    assert torch.equal(probs[:2], torch.zeros(2, 2)) and probs[2].gt(0).all()
+    tree = DraftTree(torch.tensor([[0.9, 0.1]]), torch.tensor([[10, 11]]))
+    probs, _ = topk_probs(torch.tensor([[0.0, 2.0, 1.0, -1.0], [0.0, inf, 0.0, nan]]), 2)
+    tree.grow(probs[None], torch.tensor([[[20, 21], [22, 23]]]))
+    vt = tree.build(torch.tensor([7]), num_draft_tokens=3, num_steps=2)
+    assert vt.tokens.tolist() == [[7, 10, 20]] and vt.parents.tolist() == [[0, 0, 1]]
+    assert tree.frontier_tokens.tolist() == [[20, 21]]
 
 
 def test_greedy_accept_follows_the_matching_path():
