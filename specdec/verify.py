@@ -61,7 +61,7 @@ def path_and_emitted(tree: VerifyTree, last: torch.Tensor, accept_len: torch.Ten
     drafted = tree.tokens.gather(1, path[:, 1:])  # [B, num_steps]
     emitted = torch.cat([drafted, torch.full_like(bonus[:, None], -1)], dim=1)
     emitted.scatter_(1, accept_len[:, None], bonus[:, None])
-    emitted.masked_fill_(steps[None, :] > accept_len[:, None], -1)  # (an index put of a mask is a nonzero: a sync)
+    emitted.masked_fill_(steps[None, :] > accept_len[:, None], -1)  # (an index put by mask counts it on the host unless the value is a scalar)
     return AcceptResult(accept_len, path, emitted, bonus)
 
 
