@@ -451,14 +451,15 @@ def _skip_trees_without_masks(backend, topk):
 def test_whole_step_has_no_host_sync(backend, graphs, topk):
     """Steps with a join and page growth in between: launch_step (pages, inputs, draft, tree,
     verify, accept, KV commit, draft-extend) never syncs, eager or graphed."""
-    _, worker = gpu_worker(backend, topk=topk, ndt=6 if topk > 1 else None)
-    if graphs:
-        GraphRunner(worker, [1, 2, 4], progress=False)
-    worker.add_requests(prompts(2, seed=5), 40)
-    for i in range(6):
-        if i == 3:
-            worker.add_requests(prompts(1, seed=6), 20)
-        _launch_without_sync(worker)
+    for checked in (False, True):  # the first run compiles the kernels its shapes need
+        _, worker = gpu_worker(backend, topk=topk, ndt=6 if topk > 1 else None)
+        if graphs:
+            GraphRunner(worker, [1, 2, 4], progress=False)
+        worker.add_requests(prompts(2, seed=5), 40)
+        for i in range(6):
+            if i == 3:
+                worker.add_requests(prompts(1, seed=6), 20)
+            _launch_without_sync(worker, checked)
 
 
 @pytest.mark.gpu
@@ -466,24 +467,34 @@ def test_whole_step_has_no_host_sync(backend, graphs, topk):
 def test_sampled_standalone_steps_have_no_host_sync(graphs):
     """As above with tree rejection sampling (temperature, top-p, top-k) over a standalone draft's
     topk 2 trees, a join and an abort between steps."""
-    _, worker = gpu_worker("triton_mla", topk=2, ndt=6, draft_mode="standalone", enable_sampling=True)
-    if graphs:
-        GraphRunner(worker, [1, 2, 4], progress=False)
-    running = worker.add_requests(prompts(2, seed=5), 40, sampling=[SamplingParams(0.8, 0.9, 20)] * 2)
-    for i in range(6):
-        if i == 2:
-            worker.add_requests(prompts(1, seed=6), 20, sampling=[SamplingParams(1.0)])
-        if i == 4:
-            worker.abort(running[:1])
-        _launch_without_sync(worker)
+    for checked in (False, True):
+        _, worker = gpu_worker("triton_mla", topk=2, ndt=6, draft_mode="standalone", enable_sampling=True)
+        if graphs:
+            GraphRunner(worker, [1, 2, 4], progress=False)
+        running = worker.add_requests(prompts(2, seed=5), 40, sampling=[SamplingParams(0.8, 0.9, 20)] * 2)
+        for i in range(6):
+            if i == 2:
+                worker.add_requests(prompts(1, seed=6), 20, sampling=[SamplingParams(1.0)])
+            if i == 4:
+                worker.abort(running[:1])
+            _launch_without_sync(worker, checked)
 
 
-def _launch_without_sync(worker) -> None:
-    """One step whose launch_step runs under torch's sync debug mode set to raise."""
+def _launch_without_sync(worker, checked: bool) -> None:
+    """One step; checked: its launch_step runs under torch's sync debug mode set to raise and behind
+    ~0.5 s of queued device work: the debug mode misses event waits, a stream left busy does not
+    (a wait for anything queued after it would outlast it)."""
+    if not checked:
+        worker.finish_step(worker.launch_step())
+        return
     torch.cuda.synchronize()
+    torch.cuda._sleep(10**9)
+    busy = torch.cuda.Event()
+    busy.record()
     torch.cuda.set_sync_debug_mode("error")
     try:
         result = worker.launch_step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    assert not busy.query(), "launch_step waited for the device"
     worker.finish_step(result)
