@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -87,8 +87,10 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     return torch.where((temperature <= 0)[:, None], greedy, probs)
 
 
-def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, draw: int) -> torch.Tensor:
-    """Uniform [0, 1) floats from (seed, counter, draw) by a splitmix64-style hash. ``[N]`` int64 -> ``[N]`` fp64."""
+def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, draw: Union[int, torch.Tensor]) -> torch.Tensor:
+    """Uniform [0, 1) floats from (seed, counter, draw) by a splitmix64-style hash: int64 tensors
+    (or an int draw) that broadcast together -> fp64 of their broadcast shape (``[N]`` from
+    ``[N]`` seeds and counters and one draw; ``[N, D]`` from ``[N, 1]`` and D draws ``[D]``)."""
     mask = (1 << 62) - 1  # stay in non-negative int64 so shifts are logical
     x = (seed * 0x9E3779B1 + counter * 0x85EBCA77 + draw * 0xC2B2AE3D + 0x27D4EB2F) & mask
     for mult in (0x2545F4914F6CDD1D & mask, 0x5851F42D4C957F2D & mask):
@@ -105,27 +107,44 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def tree_rejection_sample(
-    tree: VerifyTree, probs: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, num_steps: int
+    tree: VerifyTree, probs: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, num_steps: int,
+    max_children: Optional[int] = None,
 ) -> AcceptResult:
     """Walk the tree accepting children by target probability; draw the bonus from the residual.
 
     probs: ``[B, ndt, V]`` target distributions after each tree node (target_probs);
-    seed / counter: ``[B]`` int64 random stream of each request. Static loop bounds: no host sync.
+    seed / counter: ``[B]`` int64 random stream of each request; max_children: most children a
+    node has (the draft's topk; None: ndt - 1). Static loop bounds: no host sync. A node's
+    children are tried in index order, child j at depth d with draw ``d * ndt + j``, the bonus
+    with draw ``num_steps * ndt + ndt``. All draws are hashed at once and each depth tries only
+    the current node's children (a table built once): few kernels, which an eager step launches
+    one by one and a graph replays one by one (the loop over every node with a hash a node made
+    600 kernels at topk 2, ndt 6).
     """
     batch, ndt, _ = probs.shape
-    rows = torch.arange(batch, device=probs.device)
-    cur = torch.zeros(batch, dtype=torch.long, device=probs.device)
-    active = torch.ones(batch, dtype=torch.bool, device=probs.device)  # still descending
+    device = probs.device
+    rows = torch.arange(batch, device=device)
+    nodes = torch.arange(ndt, device=device)
+    max_children = ndt - 1 if max_children is None else max_children
+    u = hash_uniform(seed[:, None], counter[:, None], torch.arange(num_steps * ndt + ndt + 1, device=device))
+    # children[b, n, r]: node n's r-th child in index order, 0 where it has fewer (the root is nobody's child).
+    child_of = (tree.parents[:, None, :] == nodes[None, :, None]) & (nodes > 0)  # [B, n, j]
+    rank = torch.where(child_of, child_of.long().cumsum(-1) - 1, max_children).clamp(max=max_children)
+    children = torch.zeros(batch, ndt, max_children + 1, dtype=torch.long, device=device)
+    children.scatter_(2, rank, torch.where(child_of, nodes, 0))  # column max_children: the rest, dropped
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)  # still descending
     accept_len = torch.zeros_like(cur)
     residual = probs[rows, cur].clone()
     for depth in range(num_steps):
         moved = torch.zeros_like(active)
-        for j in range(1, ndt):
-            is_child = active & ~moved & (tree.parents[:, j] == cur)
-            token = tree.tokens[:, j]
+        kids = children[rows, cur]  # [B, max_children + 1]
+        for r in range(max_children):
+            j = kids[:, r]
+            is_child = active & ~moved & (j > 0)
+            token = tree.tokens[rows, j]
             p_tok = residual[rows, token] / residual.sum(-1).clamp_min(1e-30)
-            u = hash_uniform(seed, counter, depth * ndt + j)
-            take = is_child & (u < p_tok)
+            take = is_child & (u[rows, depth * ndt + j] < p_tok)
             reject = is_child & ~take
             residual[rows, token] = torch.where(reject, 0.0, residual[rows, token])
             cur = torch.where(take, j, cur)
@@ -133,5 +152,5 @@ def tree_rejection_sample(
         accept_len += moved
         active &= moved
         residual = torch.where(moved[:, None], probs[rows, cur], residual)
-    bonus = sample_from(residual, hash_uniform(seed, counter, num_steps * ndt + ndt))
+    bonus = sample_from(residual, u[:, -1])
     return path_and_emitted(tree, cur, accept_len, bonus, num_steps)

@@ -519,7 +519,7 @@ class EagleWorker:
         ndt = logits.shape[1]
         per_node = [t.repeat_interleave(ndt) for t in (st.temperature, st.top_p, st.top_k)]
         probs = target_probs(logits.flatten(0, 1), *per_node).view(logits.shape)
-        return tree_rejection_sample(tree, probs, st.seed, st.counter, steps)
+        return tree_rejection_sample(tree, probs, st.seed, st.counter, steps, max_children=self.config.topk)
 
     def commit_kv(self, st: DecodeState, result: AcceptResult, rows: torch.Tensor) -> None:
         """Move the accepted path's KV rows to kv indices N..N+accept_len (trees only: a chain is in place)."""
