@@ -10,7 +10,7 @@ from specdec.baseline import greedy_generate, sequence_logits
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.sampling import SamplingParams, hash_uniform, target_probs, tree_rejection_sample
-from specdec.tree import DraftTree, topk_probs
+from specdec.tree import DraftTree, VerifyTree, topk_probs
 from specdec.verify import greedy_accept
 from specdec.worker import EagleWorker
 
@@ -70,6 +70,24 @@ def test_every_depth_of_the_tree_follows_the_target(topk, num_steps, ndt):
         assert tv(torch.bincount(after, minlength=vocab).double(), node_probs[0, node].double()) < tv_bound(int(rows.sum()))
         checked.add(depth)
     assert checked == set(range(int(vt.depth[0].max()) + 1))  # every depth, the leaves' bonus draws included
+
+
+def test_rejected_children_leave_the_bonus_residual_when_the_root_token_is_one_of_theirs():
+    """Every child of the root rejected, the bonus comes from the root's distribution less the
+    children's tokens, also where the root's token is a child's (tokens repeat across depths): a
+    residual built by scattering over the children's columns, padding (the root's token) included,
+    let the padding (max_children 3 over 2 children) write back the rejected token's probability."""
+    n = 40_000
+    vt = VerifyTree(tokens=torch.tensor([[2, 2, 3, 0]]).expand(n, -1), parents=torch.tensor([[0, 0, 0, 1]]).expand(n, -1),
+                    depth=torch.tensor([[0, 1, 1, 2]]).expand(n, -1), child_rank=torch.tensor([[0, 0, 1, 0]]).expand(n, -1),
+                    mask=torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool).expand(n, -1, -1))
+    probs = torch.tensor([[0.1, 0.1, 0.4, 0.4], [1.0, 0.0, 0.0, 0.0], [0.25] * 4, [0.25] * 4]).expand(n, -1, -1)
+    res = tree_rejection_sample(vt, probs, torch.arange(n), torch.zeros(n, dtype=torch.long), 2, max_children=3)
+    stopped = res.accept_len == 0
+    assert set(res.emitted[stopped, 0].tolist()) == {0, 1}
+    # Child 2 (token 2) with 0.4; else child 3 (token 3) with 0.4 / 0.6; else a bonus of 0 or 1: the root's distribution.
+    first = torch.bincount(res.emitted[:, 0], minlength=4).double()
+    assert tv(first, probs[0, 0].double()) < tv_bound(n)
 
 
 def test_temperature_zero_is_greedy():
