@@ -11,7 +11,9 @@ syncs; finish_step then waits on the step's one event by design), mean accept le
 with spec decoding (graphs where supported) and target-only (graphed where the spec step is); then
 graph capture time and memory. Uses the identity draft (the target as its own
 standalone draft) so nearly every step accepts num_steps tokens (2.90-3.00 of 3 in the committed
-run) and the numbers show the machinery's cost, not a draft model's quality. Prints a table, writes CSV and a PNG.
+run) and the numbers show the machinery's cost, not a draft model's quality. --sampling: every
+request samples (SAMPLING) through tree rejection sampling, and the identity draft then accepts
+less. Prints a table, writes CSV and a PNG.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from specdec.baseline import GreedyDecoder
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.models import DeepseekV3Config, DeepseekV3ForCausalLM
+from specdec.sampling import SamplingParams
 from specdec.worker import EagleWorker
 
 
@@ -65,8 +68,12 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=0)  # --sampling's, every request
+
+
 def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dict[str, float]:
-    worker.add_requests(prompts, max_new_tokens=max_new_tokens(steps))
+    sampling = [SAMPLING] * len(prompts) if worker.config.enable_sampling else None
+    worker.add_requests(prompts, max_new_tokens=max_new_tokens(steps), sampling=sampling)
     for _ in range(3):
         worker.step()
     torch.cuda.synchronize()
@@ -127,6 +134,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--sampling", action="store_true", help=f"tree rejection sampling at {SAMPLING}, not greedy")
     ap.add_argument("--out", default="benchmarks/spec_step.png")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -139,7 +147,7 @@ def main() -> None:
         for bs in batch_sizes:
             prompts = torch.randint(0, vocab, (bs, args.prompt_len)).tolist()
             cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
-                             max_batch_size=bs, max_context_len=128 * ((args.prompt_len + max_new_tokens(args.steps) + 4 * args.steps + 64 + 127) // 128))
+                             enable_sampling=args.sampling, max_batch_size=bs, max_context_len=128 * ((args.prompt_len + max_new_tokens(args.steps) + 4 * args.steps + 64 + 127) // 128))
             try:
                 row = run_one(target, backend, bs, cfg, prompts, args.steps)
             except torch.OutOfMemoryError:  # torch_ref gathers whole contexts per query token
