@@ -69,16 +69,22 @@ class DraftModel(Protocol):
     def attn_spec(self) -> LayerSpec: ...
 
 
+def _missing(model, attributes: tuple[str, ...]) -> list[str]:
+    """The names of a model's contract it lacks: the attributes, the methods attn_spec,
+    compute_logits and parameters, and the call itself."""
+    missing = [name for name in attributes if not hasattr(model, name)]
+    missing += [name for name in ("attn_spec", "compute_logits", "parameters") if not callable(getattr(model, name, None))]
+    return missing + ([] if callable(model) else ["__call__"])
+
+
 def check_target(target: TargetModel) -> None:
     """ConfigError where ``target`` lacks what the worker calls (TargetModel), has no parameters
     (they give the worker its device and dtype), or is in training mode."""
-    missing = [name for name in ("config", "num_attention_layers") if not hasattr(target, name)]
-    missing += [name for name in ("attn_spec", "compute_logits", "parameters") if not callable(getattr(target, name, None))]
+    missing = _missing(target, ("config", "num_attention_layers"))
     if "config" not in missing and not hasattr(target.config, "vocab_size"):
         missing.append("config.vocab_size")
-    if missing or not callable(target):
-        raise ConfigError(f"the target model lacks {missing or ['__call__']}: specdec.draft.TargetModel lists what "
-                          "the worker calls")
+    if missing:
+        raise ConfigError(f"the target model lacks {missing}: specdec.draft.TargetModel lists what the worker calls")
     if next(iter(target.parameters()), None) is None:
         raise ConfigError("the target model has no parameters: the worker takes its device and dtype from them")
     if getattr(target, "training", False):
@@ -90,7 +96,12 @@ def check_draft(draft: DraftModel, target: TargetModel, config: SpecConfig) -> N
     """ConfigError where ``draft`` cannot draft for ``target`` under ``config``: another vocabulary,
     topk past it, a hidden-state draft in standalone mode or of another hidden size or dtype than
     the target (it reads the target's hidden states), an ordinary LM in eagle mode, or a draft
-    module on another device."""
+    module on another device; first, where it lacks what the worker calls (DraftModel)."""
+    missing = _missing(draft, ("num_attention_layers", "vocab_size", "needs_hidden_in", "hidden_size"))
+    if missing:
+        lm = hasattr(getattr(draft, "config", None), "vocab_size") and "vocab_size" in missing
+        hint = "; an ordinary LM drafts as specdec.draft.StandaloneDraft(lm) with draft_mode='standalone'" if lm else ""
+        raise ConfigError(f"the draft model lacks {missing}: specdec.draft.DraftModel lists what the worker calls{hint}")
     if draft.vocab_size != target.config.vocab_size:
         raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens) must be the target's "
                           f"({target.config.vocab_size}): the draft proposes target token ids")

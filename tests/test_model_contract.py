@@ -57,6 +57,40 @@ def _fp32_output() -> ToyTarget:
     return target
 
 
+def _draft_without(target: ToyTarget, name: str) -> ToyEagleDraft:
+    """A draft head lacking one member of the contract: an attribute gone or unreadable, a method None."""
+    draft = ToyEagleDraft(target)
+    if name in vars(draft):
+        delattr(draft, name)
+    elif name in ("attn_spec", "compute_logits"):
+        setattr(draft, name, None)
+    else:  # a class attribute
+        def unreadable(self):
+            raise AttributeError(name)
+
+        draft.__class__ = type(f"DraftWithout_{name}", (ToyEagleDraft,), {name: property(unreadable)})
+    return draft
+
+
+@pytest.mark.parametrize("name", ["num_attention_layers", "vocab_size", "needs_hidden_in", "hidden_size", "attn_spec",
+                                  "compute_logits"])
+def test_a_draft_off_the_contract_is_named(name):
+    """A draft lacking a member failed with an AttributeError or a call of None, or (compute_logits)
+    at the first add_requests."""
+    target = ToyTarget(vocab=VOCAB)
+    cfg = SpecConfig(num_steps=2, page_size=4, max_batch_size=2, max_context_len=64)
+    with pytest.raises(ConfigError, match=rf"the draft model lacks \['{name}'\]: specdec.draft.DraftModel"):
+        EagleWorker(target, _draft_without(target, name), cfg)
+
+
+def test_an_ordinary_lm_passed_as_the_draft_is_told_to_wrap_it():
+    target = ToyTarget(vocab=VOCAB)
+    cfg = SpecConfig(num_steps=2, draft_mode="standalone", page_size=4, max_batch_size=2, max_context_len=64)
+    with pytest.raises(ConfigError, match=r"lacks \['vocab_size', 'needs_hidden_in', 'hidden_size'\].*"
+                                          r"StandaloneDraft\(lm\) with draft_mode='standalone'"):
+        EagleWorker(target, noisy_twin(target), cfg)
+
+
 @pytest.mark.parametrize("make, when, needle", [
     (lambda: _NoLogits(vocab=VOCAB), "init", r"lacks \['compute_logits'\]"),
     (lambda: ToyTarget(vocab=VOCAB).train(), "init", r"training mode .*call target.eval\(\)"),
