@@ -101,12 +101,17 @@ def check_kv_dtype(choice: BackendChoice, kv_dtype: str) -> None:
             raise ValueError(f"{cls.name} ({role}) supports kv_dtype {cls.kv_dtypes}, not {kv_dtype!r}; change kv_dtype")
 
 
+# The setting that picks each role's backend (SpecConfig's names): what a refusal tells to change.
+ROLE_SETTINGS = {"target": "attention_backend", "draft": "decode_backend", "draft_extend": "prefill_backend",
+                 "prefill": "prefill_backend"}
+
+
 def check_tree_support(choice: BackendChoice, topk: int) -> None:
     """topk > 1 trees need tree masks in the target verify and in the draft's steps."""
     if topk == 1:
         return
-    for role, setting in (("target", "attention_backend"), ("draft", "decode_backend")):
-        cls = get_backend_class(getattr(choice, role))
+    for role in ("target", "draft"):
+        cls, setting = get_backend_class(getattr(choice, role)), ROLE_SETTINGS[role]
         if not cls.supports_tree_mask:
             masked = [n for n in backend_names() if get_backend_class(n).supports_tree_mask]
             raise ValueError(f"{cls.name} ({role}) cannot attend with a tree mask: use topk=1, or set {setting} "
@@ -150,5 +155,5 @@ def check_device(choice: BackendChoice, device: torch.device) -> None:
         runnable = [n for n in backend_names() if get_backend_class(n).runs_on(capability)]
         here = (f"SM{capability[0]}{capability[1]} GPU {torch.cuda.get_device_name(device)}" if capability
                 else f"device {device}")
-        raise ValueError(f"{cls.name} ({role}) needs a {cls.required_arch()} GPU but runs on the {here}; backends "
-                         f"that run here: {runnable}")
+        raise ValueError(f"{cls.name} ({role}) needs a {cls.required_arch()} GPU but runs on the {here}; set "
+                         f"{ROLE_SETTINGS[role]} to one that runs here: {runnable}")

@@ -56,7 +56,10 @@ class EagleWorker:
         self.target, self.draft = target, draft
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
         choice = config.backends
-        check_device(choice, self.device)
+        try:
+            check_device(choice, self.device)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         kv_dtype = self.dtype if config.kv_dtype == "auto" else KV_DTYPES[config.kv_dtype]
         if config.kv_dtype == "auto":  # the model's dtype must suit the backends as a named one would
             name = next((n for n, d in KV_DTYPES.items() if d == kv_dtype), str(kv_dtype))

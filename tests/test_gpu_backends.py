@@ -11,7 +11,7 @@ from attn.base import ForwardMode, LayerSpec
 from attn.registry import get_backend_class
 from specdec.baseline import greedy_generate
 from specdec.batch import extend_batch, uniform_batch
-from specdec.config import SpecConfig
+from specdec.config import ConfigError, SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, kernel_errors, make_models, prompts, reference, run_to_completion
@@ -174,7 +174,7 @@ def test_blackwell_backends_refused_on_hopper(backend):
         pytest.skip("this is a Blackwell GPU")
     target, mtp = make_models("cuda", torch.bfloat16)
     cfg = SpecConfig(attention_backend=backend, kv_dtype="fp8_e4m3", page_size=64)
-    with pytest.raises(ValueError, match=f"{backend} .*needs a SM10\\S* GPU.*backends that run here: \\['flashinfer_mla', 'torch_ref', 'triton_mla'\\]"):
+    with pytest.raises(ConfigError, match=f"{backend} .*needs a SM10\\S* GPU.*set attention_backend to one that runs here: \\['flashinfer_mla', 'torch_ref', 'triton_mla'\\]"):
         EagleWorker(target, mtp, cfg)
 
 

@@ -66,7 +66,7 @@ def test_trees_need_tree_mask_backends():
 @pytest.mark.parametrize("name", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
 def test_blackwell_refused_off_sm100_before_any_library_import(name):
     before = set(sys.modules)
-    with pytest.raises(ValueError, match=f"{name} .* needs a SM10\\S* GPU .* backends that run here: \\['torch_ref'\\]"):
+    with pytest.raises(ValueError, match=f"{name} .* needs a SM10\\S* GPU .* set attention_backend to one that runs here: \\['torch_ref'\\]"):
         check_device(resolve_backends(name), torch.device("cpu"))
     assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("flashinfer", "tokenspeed_mla", "cutlass")}
 

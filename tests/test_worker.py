@@ -121,6 +121,16 @@ def test_a_draft_of_another_vocabulary_is_refused_up_front(target, draft_vocab):
         EagleWorker(target, narrowed, SpecConfig(num_steps=2, max_context_len=64))
 
 
+@pytest.mark.parametrize("setting", ["attention_backend", "decode_backend"])
+def test_a_backend_the_device_cannot_run_is_a_config_error_naming_its_setting(target, mtp, setting):
+    """A ValueError naming the role ('(target)') before, which an engine catching ConfigError (as
+    the example does) missed."""
+    config = SpecConfig(num_steps=2, max_context_len=64, **{setting: "triton_mla"})
+    with pytest.raises(ConfigError, match=rf"triton_mla \(\w+\) needs a .* GPU but runs on the device cpu; set "
+                                          rf"{setting} to one that runs here: \['torch_ref'\]"):
+        EagleWorker(target, mtp, config)
+
+
 def test_drafts_the_settings_cannot_drive_are_refused_up_front(target, mtp):
     """Both failed only at the first add_requests, in torch: a top-k past the vocabulary
     ("selected index k out of range"), and an MTP head run standalone, given no hidden states
