@@ -80,18 +80,20 @@ class BatchPages:
             pool.grow(rows, need, most)
         h.room = self.room(h)
 
-    def trim_for(self, h: BatchHost, prompt_lens: list[int], max_new_tokens: int) -> bool:
+    def trim_for(self, h: BatchHost, prompt_lens: list[int], max_new_tokens: int) -> None:
         """Where the pages the running requests hold past their next step (grow-ahead) would make
         room for new requests of ``prompt_lens`` (their admission pages) in both pools, take them
-        back and return True; else change nothing and return False."""
+        back; else change nothing and raise OutOfPagesError naming each short pool's numbers."""
         needs = list(self.needs(h))
         wanted = np.zeros(len(self.pools), dtype=np.int64)
         for prompt_len in prompt_lens:
             wanted += [pool.pages_for(first) for pool, first, _ in self.admission(prompt_len, max_new_tokens)]
-        for (pool, rows, need, _), want in zip(needs, wanted.tolist()):
-            if pool.num_free_pages + pool.spare_pages(rows, need) < want:
-                return False
+        short = [f"the {name} pool {want} pages, {pool.num_free_pages} free and {pool.spare_pages(rows, need)} held "
+                 f"ahead of need" for (pool, rows, need, _), want, name in zip(needs, wanted.tolist(), ("target", "draft"))
+                 if pool.num_free_pages + pool.spare_pages(rows, need) < want]
+        if short:
+            raise OutOfPagesError(f"admitting {len(prompt_lens)} request(s) needs {' and '.join(short)}; abort a "
+                                  "running request, add fewer, or raise SpecConfig.num_pages")
         for pool, rows, need, _ in needs:
             pool.trim_many(rows, need)
         h.room = self.room(h)
-        return True

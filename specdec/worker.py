@@ -164,8 +164,7 @@ class EagleWorker:
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         except OutOfPagesError:
             # The running requests' grow-ahead pages come back first, as they do for a growing request.
-            if not self.pages.trim_for(self._batch_host(), [len(p) for p in prompts], max_new_tokens):
-                raise
+            self.pages.trim_for(self._batch_host(), [len(p) for p in prompts], max_new_tokens)
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         try:
             # Every prompt ends in one pass, in order: the states concatenate in new's order.

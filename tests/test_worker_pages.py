@@ -100,7 +100,9 @@ def test_standalone_admission_counts_the_draft_pools_extra_position(target):
     for _ in range(3):
         worker.step()
     assert free_pages(worker) == (6, 6)  # and two pages ahead a pool
-    with pytest.raises(OutOfPagesError):
+    with pytest.raises(OutOfPagesError, match=r"admitting 1 request\(s\) needs the draft pool 9 pages, 6 free and 2 "
+                                              r"held ahead of need; abort a running request, add fewer, or raise "
+                                              r"SpecConfig.num_pages"):
         worker.add_requests([list(range(1, 31))], 2)  # with its first step: 8 target pages, 9 draft pages
     assert free_pages(worker) == (6, 6)  # the refused call took no page back
     drain(worker)
@@ -117,7 +119,8 @@ def test_admission_holds_the_first_steps_pages(target, mtp):
     early, = worker.add_requests([[1, 2, 3]], 4)  # its last step needs 2 pages a pool
     assert free_pages(worker) == (9, 9)
     late_prompt = list(range(1, 37))  # 9 pages a pool; with its first step's 2 positions, 10
-    with pytest.raises(OutOfPagesError):
+    with pytest.raises(OutOfPagesError, match="needs the target pool 10 pages, 9 free and 0 held ahead of need and "
+                                              "the draft pool 10 pages, 9 free"):
         worker.add_requests([late_prompt], 2)
     assert free_pages(worker) == (9, 9) and worker.requests == [early]
     drain(worker)
