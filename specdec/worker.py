@@ -294,6 +294,7 @@ class EagleWorker:
     # ----------------------------------------------------------------- step
     def step(self) -> StepStats:
         """One spec-decode iteration over every running request; finished requests leave."""
+        self.check_idle("step")
         return self.finish_step(self.launch_step())
 
     @on_device

@@ -241,8 +241,9 @@ def test_nothing_changes_the_batch_while_a_step_is_in_flight(target, mtp):
     group = prompts(2, seed=15)
     reqs = worker.add_requests(group, 10)
     result = worker.launch_step()
-    for call in (worker.launch_step, lambda: worker.add_requests([[1, 2]], 4), lambda: worker.abort(reqs)):
-        with pytest.raises(RuntimeError, match="in flight"):
+    for name, call in (("launch_step", worker.launch_step), ("step", worker.step),
+                       ("add_requests", lambda: worker.add_requests([[1, 2]], 4)), ("abort", lambda: worker.abort(reqs))):
+        with pytest.raises(RuntimeError, match=f"^{name} while a step is in flight"):  # the call made, by name
             call()
     with pytest.raises(RuntimeError, match="result of the step in flight"):
         worker.finish_step(object())
