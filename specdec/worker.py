@@ -146,10 +146,10 @@ class EagleWorker:
         if len(self.requests) + len(prompts) > cfg.max_batch_size:
             raise ValueError(f"{len(self.requests)} running + {len(prompts)} new requests exceed max_batch_size {cfg.max_batch_size}")
         prompts = [int_list(prompt, "each prompt must be a list of token ids (ints)") for prompt in prompts]
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             if not prompt:
-                raise ValueError("empty prompt: a request needs at least one token")
-            validate_token_ids(prompt, vocab)
+                raise ValueError(f"prompts[{i}] is empty: a request needs at least one token")
+            validate_token_ids(prompt, vocab, f"prompts[{i}]'s token ids")
             # One new token comes from the prefill (the draft's pool also holds it when standalone);
             # more take spec steps, which need the headroom.
             need = len(prompt) + (max_new_tokens + cfg.spec_headroom if max_new_tokens > 1 else self.draft_offset)

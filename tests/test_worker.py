@@ -171,8 +171,10 @@ def test_bad_requests_leave_running_state_intact(target, mtp):
     group = prompts(2, seed=11)
     reqs = worker.add_requests(group, 8)
     free = free_pages(worker)
-    with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=96\); got \[96\]"):
+    with pytest.raises(ValueError, match=r"^prompts\[0\]'s token ids must lie in \[0, vocab_size=96\); got \[96\]"):
         worker.add_requests([[1, 2, VOCAB]], 4)
+    with pytest.raises(ValueError, match=r"^prompts\[0\] is empty"):
+        worker.add_requests([[]], 4)
     with pytest.raises(ValueError, match="max_context_len"):
         worker.add_requests([[1] * 60], 4)
     with pytest.raises(ValueError, match="max_batch_size"):
