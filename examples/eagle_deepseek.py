@@ -88,15 +88,16 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
     """Decode prompts target-only (greedy) and with spec decoding, each after a warm-up and then
     ``args.repeats`` times (tokens/s of the fastest run); both with CUDA graphs when asked (the
     baseline captures one decode step)."""
+    # A provisional config for its spec_headroom: one request of a context that fits any prompt.
     cfg = SpecConfig(
         num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, attention_backend=backend,
-        kv_dtype=args.kv_dtype, page_size=64 if device.type == "cuda" else 16, max_batch_size=len(prompts),
+        kv_dtype=args.kv_dtype, page_size=64 if device.type == "cuda" else 16, max_batch_size=1,
         max_context_len=1 << 20, enable_sampling=args.temperature > 0,
     )
     # The longest prompt, its new tokens and the spec step's headroom, in whole 128-token blocks:
     # every backend's table width (cutedsl_mla's needs them).
     context = 128 * ((max(map(len, prompts)) + args.max_new_tokens + cfg.spec_headroom + 127) // 128)
-    cfg = dataclasses.replace(cfg, max_context_len=context)
+    cfg = dataclasses.replace(cfg, max_batch_size=len(prompts), max_context_len=context)
     sampling = [SamplingParams(temperature=args.temperature, seed=i) for i in range(len(prompts))]
     graphs = {"backend": backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph,
               "kv_dtype": KV_DTYPES.get(args.kv_dtype)}
