@@ -88,9 +88,11 @@ class BatchPages:
         wanted = np.zeros(len(self.pools), dtype=np.int64)
         for prompt_len in prompt_lens:
             wanted += [pool.pages_for(first) for pool, first, _ in self.admission(prompt_len, max_new_tokens)]
-        short = [f"the {name} pool {want} pages, {pool.num_free_pages} free and {pool.spare_pages(rows, need)} held "
-                 f"ahead of need" for (pool, rows, need, _), want, name in zip(needs, wanted.tolist(), ("target", "draft"))
-                 if pool.num_free_pages + pool.spare_pages(rows, need) < want]
+        short = []
+        for (pool, rows, need, _), want, name in zip(needs, wanted.tolist(), ("target", "draft")):
+            spare = pool.spare_pages(rows, need)
+            if pool.num_free_pages + spare < want:
+                short.append(f"the {name} pool {want} pages, {pool.num_free_pages} free and {spare} held ahead of need")
         if short:
             raise OutOfPagesError(f"admitting {len(prompt_lens)} request(s) needs {' and '.join(short)}; abort a "
                                   "running request, add fewer, or raise SpecConfig.num_pages")

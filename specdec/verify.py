@@ -61,7 +61,8 @@ def path_and_emitted(tree: VerifyTree, last: torch.Tensor, accept_len: torch.Ten
     drafted = tree.tokens.gather(1, path[:, 1:])  # [B, num_steps]
     emitted = torch.cat([drafted, torch.full_like(bonus[:, None], -1)], dim=1)
     emitted.scatter_(1, accept_len[:, None], bonus[:, None])
-    emitted.masked_fill_(steps[None, :] > accept_len[:, None], -1)  # (an index put by mask counts it on the host unless the value is a scalar)
+    # (an index put by a mask counts the mask on the host unless the value is a scalar)
+    emitted.masked_fill_(steps[None, :] > accept_len[:, None], -1)
     return AcceptResult(accept_len, path, emitted, bonus)
 
 
