@@ -121,7 +121,8 @@ def tree_rejection_sample(
     it, with draw ``depth * ndt + j``; the bonus comes from the residual where the walk stopped,
     with draw ``num_steps * ndt + ndt``. Siblings' tokens differ, so a rejection only lowers the
     sum: the walk runs on ``[B, max_children]`` gathers of the children's probabilities and the
-    rows' sums, and the one vocabulary-wide residual is the bonus's. All draws are hashed at once.
+    rows' sums (a threshold may then differ from a sum over the residual in its last bits), and
+    the one vocabulary-wide residual is the bonus's. All draws are hashed at once.
     Few kernels, which an eager step launches one by one and a graph replays one by one: a loop
     over every node with a hash and a residual sum a node made 631 kernels at topk 2, ndt 6
     (H200, graph replay 1.0 ms at V 129280, batch 1).
@@ -141,17 +142,23 @@ def tree_rejection_sample(
     child_tokens = tree.tokens.gather(1, children.flatten(1)).view(children.shape)  # [B, n, r]
     child_p = probs.gather(2, child_tokens)  # [B, n, r]: each child's token under its parent's distribution
     total = probs.sum(-1)  # [B, ndt]
+    support = (probs > 0).sum(-1)  # [B, ndt]: tokens with mass
     cur = torch.zeros(batch, dtype=torch.long, device=device)
     active = torch.ones(batch, dtype=torch.bool, device=device)  # still descending
     accept_len = torch.zeros_like(cur)
     for depth in range(num_steps):
         moved = torch.zeros_like(active)
-        kids, kid_p, left = children[rows, cur], child_p[rows, cur], total[rows, cur]
+        kids, kid_p, left, left_tokens = children[rows, cur], child_p[rows, cur], total[rows, cur], support[rows, cur]
         for r in range(max_children):
             j = kids[:, r]
             is_child = active & ~moved & (j > 0)
-            take = is_child & (u[rows, depth * ndt + j] < kid_p[:, r] / left.clamp_min(1e-30))
-            left = torch.where(is_child & ~take, left - kid_p[:, r], left)
+            # A child holding the residual's last token with mass is taken outright: its threshold is
+            # 1, which left (the sum less the rejected siblings', rounded) can miss by an ulp.
+            last = (kid_p[:, r] > 0) & (left_tokens == 1)
+            take = is_child & ((u[rows, depth * ndt + j] < kid_p[:, r] / left.clamp_min(1e-30)) | last)
+            rejected = is_child & ~take
+            left = torch.where(rejected, left - kid_p[:, r], left)
+            left_tokens = torch.where(rejected & (kid_p[:, r] > 0), left_tokens - 1, left_tokens)
             cur = torch.where(take, j, cur)
             moved |= take
         accept_len += moved

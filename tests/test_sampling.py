@@ -90,6 +90,20 @@ def test_rejected_children_leave_the_bonus_residual_when_the_root_token_is_one_o
     assert tv(first, probs[0, 0].double()) < tv_bound(n)
 
 
+def test_a_child_holding_the_last_token_with_mass_is_taken():
+    """top-k 2 keeps two tokens, both the root's children: rejecting the first leaves the second
+    all the mass, so it must be taken. Its threshold computed as p / (sum - the rejected p) fell an
+    ulp below 1, and with this draw (seed found by search) every child was rejected and the bonus
+    came from an all-zero residual: token V - 1, which the target gives probability 0."""
+    logits = torch.tensor([[-2.9891786575317383, -1.0215553045272827, -0.4190954864025116, -0.37579426169395447,
+                            5.43334436416626, -0.0911627933382988, -0.5446845889091492, -0.7555745840072632]])
+    row = target_probs(logits, torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([2]))
+    tree = DraftTree(torch.tensor([[0.6, 0.4]]), torch.tensor([[4, 5]])).build(torch.tensor([0]), 3, 1)
+    res = tree_rejection_sample(tree, row.expand(3, -1)[None], torch.tensor([19134814]), torch.tensor([0]), 1,
+                                max_children=2)
+    assert res.accept_len.tolist() == [1] and res.emitted.tolist() == [[5, 4]]
+
+
 def test_temperature_zero_is_greedy():
     vt = make_tree(64, 2, 3, 6, 10, seed=3)
     logits = torch.randn(64 * 6, 10)
