@@ -21,3 +21,4 @@ class CuteDslMLABackend(TrtllmMLABackend):
     table_tokens_multiple = 128
     skipped_heads = range(0)  # cute-dsl takes every head count up to 128
     multi_cta_counters = False
+    compiles_per_q_len = True

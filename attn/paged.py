@@ -66,6 +66,9 @@ class PagedMLABackend:
     supports_draft_extend = True  # uniform num_steps + 1 query tokens per request
     prefill_fallback: Optional[str] = None  # backend serving prefill/draft-extend where this one cannot
     max_decode_q_len: Optional[int] = None  # query tokens per request the decode kernel takes (None: any)
+    # The decode kernel is compiled per query length (CuTe-DSL, at first use): prefill's chunks are
+    # all max_decode_q_len wide, padded, so every prompt runs one variant (prefill_chunk_len).
+    compiles_per_q_len = False
     max_prefill_tokens: Optional[int] = None  # query tokens a prefill (EXTEND) pass may hold (None: any)
     # Compute capabilities the kernel runs on: majors (any minor) or (major, minor) pairs; None: any
     required_sm: Optional[tuple[int | tuple[int, int], ...]] = None
@@ -310,8 +313,11 @@ class PagedMLABackend:
     def prefill_chunk_len(cls, max_q_len: int, max_seq_len: int) -> int:
         """Query tokens a request of each decode-kernel call of the default ``_run_prefill_kernel``
         (max_q_len and max_seq_len: the pass's host bounds, which every request's q_len <= L lies
-        within)."""
-        return min(cls.max_decode_q_len or max_q_len, max_seq_len)
+        within): max_decode_q_len where the kernel takes fewer than max_q_len, or compiles per
+        query length; else max_q_len. Padded chunks read more kv rows past a short request's
+        length, so only a kernel compiled per length pads them."""
+        chunk = min(cls.max_decode_q_len or max_q_len, max_seq_len)
+        return chunk if cls.compiles_per_q_len else min(chunk, max_q_len)
 
     def _run_prefill_kernel(
         self,
@@ -326,19 +332,19 @@ class PagedMLABackend:
         """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
 
         Default: the decode kernel over chunks of ``chunk`` (prefill_chunk_len) query tokens per
-        request: max_decode_q_len (within max_seq_len) whatever the prompts' lengths, so a family
-        that compiles a kernel per q_len (tokenspeed-mla) compiles one for prefill, not one per short
-        prompt (tests/test_sm100_compile.py compiles that width); max_q_len where the kernel takes any.
-        Chunk j (from the end) of a request of kv length L holds kv positions ``[E - chunk, E)`` and
-        sees kv length E, with E = max(L - j * chunk, chunk): right-aligned at L, the earliest chunk
-        at position 0. So no chunk sees fewer kv rows than its query tokens (the decode kernels
-        assume a kv row at every query position) or more than max(L, chunk), within max_seq_len.
-        Each chunk gathers its ``[B, chunk]`` cells from query (the new tokens at positions no later
-        chunk holds) and scatters its output back; the other cells are padding: they read the last
-        token and write a trash row, and a chunk of them alone sees the first ``chunk`` kv rows, not
-        a long cached prefix. A request shorter than a chunk has its chunk read kv rows past L,
-        hidden from its tokens by the causal mask: they must hold finite values (KVCacheView), as
-        0 x NaN in softmax x V is NaN. O(B x max(max_q_len, chunk)) rows in all, no host sync.
+        request: at most max_decode_q_len; always that where the kernel compiles per q_len
+        (tokenspeed-mla: one prefill variant, not one per short prompt; tests/test_sm100_compile.py
+        compiles that width). Chunk j (from the end) of a request of kv length L holds kv positions
+        ``[E - chunk, E)`` and sees kv length E, with E = max(L - j * chunk, chunk): right-aligned
+        at L, the earliest chunk at position 0. So no chunk sees fewer kv rows than its query tokens
+        (the decode kernels assume a kv row at every query position) or more than max(L, chunk),
+        within max_seq_len. Each chunk gathers its ``[B, chunk]`` cells from query (the new tokens
+        at positions no later chunk holds) and scatters its output back; the other cells are
+        padding: they read the last token and write a trash row, and a chunk of them alone sees the
+        first ``chunk`` kv rows, not a long cached prefix. A request shorter than a chunk has its
+        chunk read kv rows past L, hidden from its tokens by the causal mask: they must hold finite
+        values (KVCacheView), as 0 x NaN in softmax x V is NaN. O(B x max(max_q_len, chunk)) rows
+        in all, no host sync.
         """
         num_tokens, heads = query.shape[:2]
         if num_tokens == 0:

@@ -31,6 +31,7 @@ class TokenspeedMLABackend(PagedMLABackend):
     page_sizes = (32, 64)
     kv_dtypes = ("fp8_e4m3",)
     max_decode_q_len = MAX_Q_LEN
+    compiles_per_q_len = True
     max_heads = 128
 
     @property

@@ -237,9 +237,11 @@ def test_chunked_prefill_through_the_decode_kernel_matches_ragged():
     assert ChunkedDecodeBackend.kv_lens == [[9, 3, 4, 11], [6, 3, 3, 8], [3, 3, 3, 5], [3, 3, 3, 3]]
 
 
-def test_chunked_prefill_of_short_prompts_keeps_the_chunk_width():
-    """Prompts shorter than max_decode_q_len still go through chunks of max_decode_q_len query
-    tokens (a kernel compiled per q_len then compiles one prefill variant), attending as ragged."""
+@pytest.mark.parametrize("compiles_per_q_len", [False, True])
+def test_chunked_prefill_of_short_prompts_keeps_the_chunk_width_where_the_kernel_compiles_per_q_len(compiles_per_q_len):
+    """Prompts shorter than max_decode_q_len go through chunks of max_decode_q_len query tokens
+    where the kernel compiles per q_len (one prefill variant), else of the longest prompt's (fewer
+    kv rows read past a short request); either attends as ragged."""
     g = torch.Generator().manual_seed(4)
     pool = MLAKVPool(1, 16, 4, 2, 32, torch.float32)
     rows = [pool.alloc_request() for _ in range(2)]
@@ -252,15 +254,20 @@ def test_chunked_prefill_of_short_prompts_keeps_the_chunk_width():
                       torch.tensor([0, 2, 3], dtype=torch.int32), 2, False)
     q, kv_new = torch.randn(3, 2, 576, generator=g), torch.randn(3, 576, generator=g)
     ChunkedDecodeBackend.kv_lens = []
+
+    class Chunked(ChunkedDecodeBackend):
+        pass
+
+    Chunked.compiles_per_q_len = compiles_per_q_len
     outs = []
-    for cls in (TorchRefBackend, ChunkedDecodeBackend):
+    for cls in (TorchRefBackend, Chunked):
         backend = cls(pool.view(), LayerSpec(num_heads=2, sm_scale=0.2), 2, 1)
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    # One call of 3 query tokens a request: the 2-token prompt sees 3 kv rows (the third hidden by
-    # the causal mask), the other request its 6.
-    assert ChunkedDecodeBackend.kv_lens == [[3, 6]]
+    # One call of 3 query tokens a request (2, the longest prompt's, unpadded): the 2-token prompt
+    # sees 3 kv rows (the third hidden by the causal mask), the other request its 6.
+    assert ChunkedDecodeBackend.kv_lens == [[3 if compiles_per_q_len else 2, 6]]
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -293,6 +300,7 @@ def test_chunked_prefill_of_random_batches_matches_ragged(seed):
 
     class Chunked(ChunkedDecodeBackend):
         max_decode_q_len = chunk
+        compiles_per_q_len = seed % 4 < 2
 
         def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
             calls.append((query.shape[1], seq_lens.tolist(), max_seq_len))
@@ -305,9 +313,10 @@ def test_chunked_prefill_of_random_batches_matches_ragged(seed):
         backend.init_forward_metadata(batch)
         outs.append(backend.forward(q, kv_new, 0, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    # One width whatever the requests' lengths: a kernel compiled per q_len compiles once for prefill.
-    assert {(q_len, max_seq_len) for q_len, _, max_seq_len in calls} == {(min(chunk, max(lens) if seed % 2 else 24),
-                                                                         max(lens) if seed % 2 else 24)}
+    # One width: max_decode_q_len where the kernel compiles per q_len, whatever the requests' lengths.
+    max_seq_len = max(lens) if seed % 2 else 24
+    width = min(chunk, max_seq_len) if Chunked.compiles_per_q_len else min(chunk, batch.max_q_len, max_seq_len)
+    assert {(q_len, m) for q_len, _, m in calls} == {(width, max_seq_len)}
     for q_len, kv_lens, max_seq_len in calls:
         assert all(q_len <= n <= min(max(length, q_len), max_seq_len) for n, length in zip(kv_lens, lens)), (
             q_len, kv_lens, lens, max_seq_len)
