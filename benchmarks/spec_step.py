@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import gc
 import statistics
 import time
@@ -68,11 +69,13 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=0)  # --sampling's, every request
+SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)  # --sampling's, every request (seed i: request i)
 
 
 def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dict[str, float]:
-    sampling = [SAMPLING] * len(prompts) if worker.config.enable_sampling else None
+    sampling = None
+    if worker.config.enable_sampling:
+        sampling = [dataclasses.replace(SAMPLING, seed=i) for i in range(len(prompts))]
     worker.add_requests(prompts, max_new_tokens=max_new_tokens(steps), sampling=sampling)
     for _ in range(3):
         worker.step()

@@ -163,6 +163,8 @@ class EagleWorker:
         try:
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)
         except OutOfPagesError:
+            new = None
+        if new is None:  # (outside the except: trim_for's own error is the one to show)
             # The running requests' grow-ahead pages come back first, as they do for a growing request.
             self.pages.trim_for(self._batch_host(), [len(p) for p in prompts], max_new_tokens)
             new = self._allocate(prompts, max_new_tokens, eos_token_id, sampling)

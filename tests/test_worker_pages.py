@@ -102,8 +102,9 @@ def test_standalone_admission_counts_the_draft_pools_extra_position(target):
     assert free_pages(worker) == (6, 6)  # and two pages ahead a pool
     with pytest.raises(OutOfPagesError, match=r"admitting 1 request\(s\) needs the draft pool 9 pages, 6 free and 2 "
                                               r"held ahead of need; abort a running request, add fewer, or raise "
-                                              r"SpecConfig.num_pages"):
+                                              r"SpecConfig.num_pages") as refused:
         worker.add_requests([list(range(1, 31))], 2)  # with its first step: 8 target pages, 9 draft pages
+    assert refused.value.__context__ is None  # not shown beneath the allocator's own, first refusal
     assert free_pages(worker) == (6, 6)  # the refused call took no page back
     drain(worker)
     assert early.output == greedy_generate(target, [[1, 2, 3]], 30)[0]
