@@ -124,8 +124,8 @@ def tree_rejection_sample(
     rows' sums (a threshold may then differ from a sum over the residual in its last bits), and
     the one vocabulary-wide residual is the bonus's. All draws are hashed at once.
     Few kernels, which an eager step launches one by one and a graph replays one by one: a loop
-    over every node with a hash and a residual sum a node made 631 kernels at topk 2, ndt 6
-    (H200, graph replay 1.0 ms at V 129280, batch 1).
+    over every node with a hash and a residual sum a node made 631 kernels at topk 2, ndt 6, this
+    walk 241 (H200, graph replay at V 129280, batch 1: 1.0 -> 0.36 ms).
     """
     batch, ndt, _ = probs.shape
     device = probs.device
