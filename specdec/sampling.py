@@ -149,16 +149,17 @@ def tree_rejection_sample(
     for depth in range(num_steps):
         moved = torch.zeros_like(active)
         kids, kid_p, left, left_tokens = children[rows, cur], child_p[rows, cur], total[rows, cur], support[rows, cur]
+        kid_has_mass = kid_p > 0
         for r in range(max_children):
             j = kids[:, r]
             is_child = active & ~moved & (j > 0)
             # A child holding the residual's last token with mass is taken outright: its threshold is
             # 1, which left (the sum less the rejected siblings', rounded) can miss by an ulp.
-            last = (kid_p[:, r] > 0) & (left_tokens == 1)
+            last = kid_has_mass[:, r] & (left_tokens == 1)
             take = is_child & ((u[rows, depth * ndt + j] < kid_p[:, r] / left.clamp_min(1e-30)) | last)
-            rejected = is_child & ~take
-            left = torch.where(rejected, left - kid_p[:, r], left)
-            left_tokens = torch.where(rejected & (kid_p[:, r] > 0), left_tokens - 1, left_tokens)
+            refused = is_child & ~take
+            left = torch.where(refused, left - kid_p[:, r], left)
+            left_tokens = torch.where(refused & kid_has_mass[:, r], left_tokens - 1, left_tokens)
             cur = torch.where(take, j, cur)
             moved |= take
         accept_len += moved
