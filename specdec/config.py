@@ -121,6 +121,23 @@ class SpecConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def __setattr__(self, name: str, value: object) -> None:
+        if vars(self).get("_locked"):
+            raise ConfigError(
+                f"this SpecConfig is a worker's (worker.config), read-only: its pools, buffers, backends and graphs "
+                f"were sized from it. Build a new worker from dataclasses.replace(worker.config, {name}=...)")
+        super().__setattr__(name, value)
+
+    def __getstate__(self) -> dict:
+        """Copies (copy, deepcopy, pickle) are editable: the lock stays with the worker's object."""
+        return {k: v for k, v in vars(self).items() if k != "_locked"}
+
+    def lock(self) -> None:
+        """Make this config read-only: a later assignment raises ConfigError. EagleWorker locks its
+        own validated copy, so an edit of ``worker.config`` is refused instead of reaching half the
+        worker. Copies of a locked config are not locked."""
+        vars(self)["_locked"] = True
+
     @property
     def pool_pages(self) -> int:
         """KV pages of each pool: num_pages, else every request at full context plus the padding

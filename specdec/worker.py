@@ -42,12 +42,15 @@ class EagleWorker:
     """Runs EAGLE (or standalone-draft) speculative decoding for a changing batch of requests.
 
     The worker keeps its own validated copy of the SpecConfig (``worker.config``): later edits of
-    the caller's object reach nothing. (The backends' adjustments, a Blackwell page size, are made
-    when a SpecConfig is validated, so the caller's object shows them too.)"""
+    the caller's object reach nothing, and ``worker.config`` itself is read-only (SpecConfig.lock;
+    ``dataclasses.replace(worker.config, ...)`` gives an editable copy for another worker). (The
+    backends' adjustments, a Blackwell page size, are made when a SpecConfig is validated, so the
+    caller's object shows them too.)"""
 
     def __init__(self, target: TargetModel, draft: DraftModel, config: SpecConfig) -> None:
         config = copy.deepcopy(config)  # the worker's own: later edits of the caller's reach nothing sized from it
         config.validate()  # again: a config may have been changed since it was built
+        config.lock()
         self.config = config
         check_target(target)
         param = next(target.parameters())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -500,6 +502,25 @@ def test_the_worker_keeps_its_own_config(target, mtp):
     req, = worker.add_requests(group, 50)
     drain(worker)
     assert req.output == greedy_generate(target, group, 50)[0]
+
+
+def test_the_workers_config_is_read_only(target, mtp):
+    """An edit of worker.config is refused, naming dataclasses.replace (the worker was sized from
+    it); copies of it, replace's, deepcopy's and pickle's, are editable and build another worker."""
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=2, max_context_len=64))
+    with pytest.raises(ConfigError, match=r"read-only.*dataclasses.replace\(worker.config, topk=\.\.\.\)"):
+        worker.config.topk = 2
+    worker.config.validate()  # validating it again normalises nothing new and is allowed
+    assert (worker.config.topk, worker.config.max_context_len) == (1, 64)
+    for other in (dataclasses.replace(worker.config, max_context_len=128), copy.deepcopy(worker.config),
+                  pickle.loads(pickle.dumps(worker.config))):
+        other.max_batch_size = 1
+        assert other != worker.config
+    bigger = EagleWorker(target, mtp, dataclasses.replace(worker.config, max_context_len=128))
+    group = [prompts(1, seed=3)[0][:10]]
+    req, = bigger.add_requests(group, 100)
+    drain(bigger)
+    assert req.output == greedy_generate(target, group, 100)[0]
 
 
 def test_worker_calls_run_with_the_workers_device_current(monkeypatch):
