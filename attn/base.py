@@ -56,6 +56,26 @@ def positive_finite(value: object) -> bool:
     return finite_real(value) and value > 0
 
 
+# An fp8 cache's per-tensor scale: kernels take it as an fp32 argument and writes divide by it in
+# fp32, where 1e-50 is 0 and 1e39 inf (a NaN or all-zero cache). Calibrated scales lie far inside.
+KV_SCALE_RANGE = (2.0**-64, 2.0**64)
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def kv_scale_ok(value: object) -> bool:
+    """A kv_scale the cache writes and the kernels can take: a real number in KV_SCALE_RANGE."""
+    return positive_finite(value) and KV_SCALE_RANGE[0] <= value <= KV_SCALE_RANGE[1]
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x / scale`` in ``dtype``; for float8_e4m3fn saturating at +-448 (torch before 2.12 cast
+    a value past 464, and inf, to NaN; 2.12 saturates), in fp32 so it is rounded once.
+    Another dtype takes ``x`` as it is (its scale is 1)."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
 def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``arange(0, end, step)`` built once per device and reused (read-only): the index vectors
     of uniform passes are constants, not kernels in every pass and every graph replay. Under
@@ -101,8 +121,9 @@ class KVCacheView:
                 raise ValueError(f"KVCacheView: layer {layer}'s kv buffer must be a contiguous [num_pages, "
                                  f"{self.page_size}, {KV_DIM}] tensor, got shape {tuple(buf.shape)} strides {buf.stride()}")
         # Checked here, not first by a kernel: that runs after the pass's cache write.
-        if not positive_finite(self.kv_scale):
-            raise ValueError(f"KVCacheView: kv_scale must be a finite positive float, got {self.kv_scale!r}")
+        if not kv_scale_ok(self.kv_scale):
+            raise ValueError(f"KVCacheView: kv_scale must be a finite positive float in [2**-64, 2**64], "
+                             f"got {self.kv_scale!r}")
 
     @property
     def max_context_len(self) -> int:

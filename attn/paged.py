@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange
+from attn.base import (KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange,
+                       to_cache_dtype)
 from attn.workspace import get_workspace
 
 
@@ -279,9 +280,8 @@ class PagedMLABackend:
             raise ValueError(f"{self.name}: the tree mask's last dim must be contiguous, got strides {mask.stride()}")
 
     def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:
-        if cache.dtype == torch.float8_e4m3fn:
-            kv_new = kv_new.float() / self.kv.kv_scale
-        rows(cache).index_copy_(0, loc, rows(kv_new.to(cache.dtype)))
+        scale = self.kv.kv_scale if cache.dtype == torch.float8_e4m3fn else 1.0
+        rows(cache).index_copy_(0, loc, rows(to_cache_dtype(kv_new, cache.dtype, scale)))
 
     def bmm1_scale(self) -> float:
         """Scale applied to q·K: k_scale (fp8 cache only) * softmax scale."""

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_LORA_RANK, QK_ROPE_DIM
+from attn.base import KV_LORA_RANK, QK_ROPE_DIM, to_cache_dtype
 from attn.paged import PagedMLABackend
 from attn.sm100_compile import sm_count
 
@@ -50,7 +50,7 @@ class TokenspeedMLABackend(PagedMLABackend):
         from tokenspeed_mla import tokenspeed_mla_decode
 
         out = tokenspeed_mla_decode(
-            query.to(kv_cache.dtype),
+            to_cache_dtype(query, kv_cache.dtype),
             kv_cache,
             self.workspace.view(torch.int8),
             KV_LORA_RANK,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import KV_LORA_RANK, QK_ROPE_DIM
+from attn.base import KV_LORA_RANK, QK_ROPE_DIM, to_cache_dtype
 from attn.paged import PagedMLABackend
 from attn.sm100_compile import sm_count
 
@@ -58,7 +58,7 @@ class TrtllmMLABackend(PagedMLABackend):
         # The kernel takes the query in the cache's dtype (fp8 queries for an fp8 cache, q_scale 1)
         # and writes bf16.
         out = trtllm_batch_decode_with_kv_cache_mla(
-            query=query.to(kv_cache.dtype),
+            query=to_cache_dtype(query, kv_cache.dtype),
             kv_cache=kv_cache.unsqueeze(1),  # [num_pages, 1, page_size, 576]
             workspace_buffer=self.workspace,
             qk_nope_head_dim=QK_NOPE_HEAD_DIM,

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attn.base import KV_DTYPES, positive_finite
+from attn.base import KV_DTYPES, kv_scale_ok
 from attn.registry import (
     BackendChoice, backend_names, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
     resolve_backends,
@@ -200,8 +200,8 @@ class SpecConfig:
             if not (optional and value is None) and (not isinstance(value, str) or value not in backend_names()):
                 raise ConfigError(f"{name} must be one of {backend_names()}{' or None' if optional else ''}, "
                                   f"got {value!r}")
-        if not positive_finite(self.kv_scale):
-            raise ConfigError(f"kv_scale must be a finite number > 0, got {self.kv_scale!r}")
+        if not kv_scale_ok(self.kv_scale):
+            raise ConfigError(f"kv_scale must be a finite number in [2**-64, 2**64], got {self.kv_scale!r}")
         self.kv_scale = float(self.kv_scale)
         if self.kv_scale != 1.0 and self.kv_dtype != "fp8_e4m3":
             raise ConfigError(f"kv_scale {self.kv_scale} scales an fp8_e4m3 cache only; set kv_dtype='fp8_e4m3' or kv_scale=1.0")

@@ -358,6 +358,31 @@ def test_torch_ref_backend_over_a_scaled_fp8_pool():
     torch.testing.assert_close(out, plain_causal(q, stored, 0.05), rtol=1e-4, atol=1e-4)
 
 
+def test_an_fp8_cache_write_and_query_saturate_at_448():
+    """An fp8 cache stores kv / kv_scale clamped to +-448, inf included (torch before 2.12 cast a
+    value past 464 to NaN, which then sat in freed pages too), and attention over it stays finite;
+    the Blackwell adapters' fp8 queries (to_cache_dtype, scale 1) saturate the same way."""
+    from attn.base import to_cache_dtype
+
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float8_e4m3fn, kv_scale=0.5)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 3)
+    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.05), max_batch_size=2, max_q_len=1)
+    kv_new, q = torch.zeros(3, 576), torch.randn(3, 2, 576, generator=torch.Generator().manual_seed(2))
+    kv_new[:, :5] = torch.tensor([1000.0, -1e4, float("inf"), float("-inf"), 3.0])
+    loc = pool.req_to_token[row, :3].long()
+    batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([3], dtype=torch.int32), loc,
+                      torch.tensor([0, 3], dtype=torch.int32), 3, False)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, kv_new, 0, batch)
+    stored = pool.kv_buffers[0].view(-1, 576)[loc].float()
+    assert stored[:, :5].tolist() == [[448.0, -448.0, 448.0, -448.0, 6.0]] * 3
+    assert not stored.isnan().any() and out.isfinite().all()
+    query = torch.tensor([500.0, -1e5, float("inf"), 1.5], dtype=torch.bfloat16)
+    assert to_cache_dtype(query, torch.float8_e4m3fn).float().tolist() == [448.0, -448.0, 448.0, 1.5]
+    assert to_cache_dtype(query, torch.bfloat16) is query
+
+
 def test_table_entries_past_a_request_are_never_read():
     """The kernels' contract: block-table entries past a request's pages may hold anything (an
     engine's own tables); the reference reads none of them."""
@@ -399,7 +424,7 @@ def test_scales_a_kernel_would_refuse_after_the_cache_write_are_refused_up_front
     for bad in (float("nan"), 0.0, True, torch.tensor(0.3), 10**400):
         with pytest.raises(ValueError, match="LayerSpec: sm_scale must be a finite positive float"):
             LayerSpec(num_heads=2, sm_scale=bad)
-        with pytest.raises(ValueError, match="KVCacheView: kv_scale must be a finite positive float"):
+        with pytest.raises(ValueError, match=r"KVCacheView: kv_scale must be a finite positive float in \[2\*\*-64"):
             KVCacheView(pool.kv_buffers, pool.req_to_token, 4, kv_scale=bad)
     with pytest.raises(ValueError, match="LayerSpec: num_heads must be an int >= 1"):
         LayerSpec(num_heads=0, sm_scale=0.3)

@@ -483,8 +483,8 @@ def test_kv_scale_reaches_both_pools_of_an_fp8_cache(target):
         for pool, row in ((workers[1].target_pool, b.target_row), (workers[1].draft_pool, b.draft_row)):
             got = cached(pool, row, len(b.prompt))[0]
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    for bad in (0.0, -1.0, float("inf"), True, "2"):
-        with pytest.raises(ConfigError, match="kv_scale must be a finite number > 0"):
+    for bad in (0.0, -1.0, float("inf"), True, "2", 1e-50, 1e39):  # (1e-50 is 0 in fp32, 1e39 inf)
+        with pytest.raises(ConfigError, match=r"kv_scale must be a finite number in \[2\*\*-64, 2\*\*64\]"):
             SpecConfig(kv_dtype="fp8_e4m3", kv_scale=bad)
     with pytest.raises(ConfigError, match="scales an fp8_e4m3 cache only"):
         SpecConfig(kv_dtype="bf16", kv_scale=2.0)
