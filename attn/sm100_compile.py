@@ -1,8 +1,9 @@
-"""Compile checks for the Blackwell (SM100) CuTe-DSL MLA decode kernels without a GPU.
+"""Compile checks for the Blackwell (SM100 family) CuTe-DSL MLA decode kernels without a GPU.
 
 Our GPUs are Hopper, and CI has no GPU at all, yet two of the Blackwell-only decode kernels the
-worker can select are CuTe-DSL kernels that compile for ``sm_100a`` on any machine once the few
-device queries they make are answered with a fixed B200 description:
+worker can select are CuTe-DSL kernels that compile for ``sm_100a`` (B200) or ``sm_103a`` (B300)
+on any machine once the few device queries they make are answered with a fixed device description
+(:data:`B200`, :data:`B300`):
 
 * tokenspeed-mla's decode kernel (``tokenspeed_mla.tokenspeed_mla_decode``), used by the
   ``tokenspeed_mla`` backend;
@@ -25,10 +26,12 @@ by the functions that need them.
 Example::
 
     import torch
-    from attn.sm100_compile import compile_cutedsl_decode, compile_tokenspeed_decode
+    from attn.sm100_compile import B300, compile_cutedsl_decode, compile_tokenspeed_decode
 
     seconds = compile_tokenspeed_decode(num_heads=128, q_len=4, page_size=64,
                                         kv_dtype=torch.float8_e4m3fn)
+    seconds = compile_cutedsl_decode(num_heads=16, q_len=4, page_size=64,
+                                     kv_dtype=torch.bfloat16, device=B300)  # sm_103a
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import dataclasses
 import math
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 from unittest import mock
 
 import torch
@@ -47,6 +50,7 @@ from attn.base import is_int
 
 __all__ = [
     "B200",
+    "B300",
     "DeviceDescription",
     "KernelUnsupportedError",
     "KernelVariant",
@@ -110,6 +114,11 @@ B200 = DeviceDescription(
     L2_cache_size=126 * 1024**2,
     shared_memory_per_block_optin=232448,
 )
+
+#: NVIDIA B300 (Blackwell Ultra, SM 10.3): 148 SMs like the B200 (the count cuDNN's SDPA heuristics
+#: quote for the B300 they were fitted on), 288 GB HBM3e (~268 GiB usable); L2 and shared memory
+#: assumed the B200's. The MLA decode kernels read only the capability and the SM count.
+B300 = dataclasses.replace(B200, name="NVIDIA B300", minor=3, total_memory=268 * 1024**3)
 
 
 def sm_count(device: torch.device) -> int:
@@ -175,7 +184,8 @@ def _fake_hardware_info_class(device: DeviceDescription) -> type:
 
 @contextlib.contextmanager
 def fake_b200(device: DeviceDescription = B200) -> Iterator[DeviceDescription]:
-    """Answer the CuTe-DSL kernels' device queries with ``device`` (a B200 by default).
+    """Answer the CuTe-DSL kernels' device queries with ``device`` (a B200 by default, or e.g.
+    :data:`B300`).
 
     Patched for the duration of the ``with`` block, and restored on exit:
 
@@ -253,7 +263,7 @@ def fake_b200(device: DeviceDescription = B200) -> Iterator[DeviceDescription]:
 
 
 class KernelUnsupportedError(ValueError):
-    """The library itself rejects this configuration (its own ``can_implement`` check)."""
+    """The library itself rejects this configuration (its own ``can_implement`` check) or device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,25 +272,33 @@ class KernelVariant:
 
     ``compile_fn`` is the library's own compile function (e.g.
     ``tokenspeed_mla.mla_decode._get_compiled_mla_kernel``) and ``kwargs`` the exact arguments the
-    entry point passed it; ``compile_fn(**kwargs)`` is the kernel the runtime call would launch.
+    entry point passed it on ``device``; ``compile_fn(**kwargs)`` there is the kernel the runtime
+    call would launch.
     """
 
     library: str
     compile_fn: Callable[..., Any]
     kwargs: Mapping[str, Any]
+    device: DeviceDescription
 
     @property
     def name(self) -> str:
         return f"{self.compile_fn.__module__}.{self.compile_fn.__qualname__}"
 
-    def compile(self, device: DeviceDescription = B200) -> float:
-        """Compile this variant under :func:`fake_b200`; return wall-clock seconds.
+    @property
+    def key(self) -> str:
+        """Equal for variants that compile the same kernel. The device is part of it: a compile
+        function may ask the device more (tokenspeed reads its cluster capacity while compiling)."""
+        return repr((self.name, self.device, sorted(self.kwargs.items())))
+
+    def compile(self) -> float:
+        """Compile this variant under :func:`fake_b200` of its device; return wall-clock seconds.
 
         Bypasses the library's ``functools.cache`` (calls ``__wrapped__``), so every call really
         compiles and no fake-device kernel is left in the library's cache.
         """
         fn = getattr(self.compile_fn, "__wrapped__", self.compile_fn)
-        with fake_b200(device):
+        with fake_b200(self.device):
             start = time.perf_counter()
             compiled = fn(**self.kwargs)
             seconds = time.perf_counter() - start
@@ -316,18 +334,22 @@ def _bind(compile_fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict:
     return dict(bound.arguments)
 
 
-def _capture_variant(library: str, launch: Callable[[], Any], unsupported_marker: str, missed: str) -> KernelVariant:
-    """Run a library entry point under the spies and return the kernel variant it asked for.
+def _capture_variant(library: str, device: DeviceDescription, launch: Callable[[], Any],
+                     unsupported_markers: tuple[str, ...], missed: str) -> KernelVariant:
+    """Run a library entry point (under :func:`fake_b200` of ``device`` and the spies) and return
+    the kernel variant it asked for.
 
-    A ValueError containing ``unsupported_marker`` is the library rejecting the configuration
-    (:class:`KernelUnsupportedError`); returning without asking for a kernel is an error (``missed``).
+    A ValueError containing one of ``unsupported_markers`` is the library rejecting the
+    configuration or the device (:class:`KernelUnsupportedError`); returning without asking for a
+    kernel is an error (``missed``).
     """
     try:
         launch()
     except _Captured as captured:
-        return KernelVariant(library, captured.compile_fn, _bind(captured.compile_fn, captured.args_, captured.kwargs_))
+        kwargs = _bind(captured.compile_fn, captured.args_, captured.kwargs_)
+        return KernelVariant(library, captured.compile_fn, kwargs, device)
     except ValueError as exc:
-        if unsupported_marker in str(exc):
+        if any(marker in str(exc) for marker in unsupported_markers):
             raise KernelUnsupportedError(str(exc)) from exc
         raise
     raise RuntimeError(missed)
@@ -411,8 +433,12 @@ def tokenspeed_decode_variant(
     arguments it passes to ``tokenspeed_mla.mla_decode._get_compiled_mla_kernel``.
 
     ``batch_size`` and ``max_seq_len`` matter: they pick split-KV, hence the reducer capacity and
-    D-band count compiled into the FP8 kernel. Raises :class:`KernelUnsupportedError` when the
-    library's own ``_check_can_implement`` rejects the configuration.
+    D-band count compiled into the FP8 kernel. So does ``device``: its capability is the
+    ``compute_capability`` the kernel is compiled for (``sm_{major}{minor}a``), which also picks the
+    MMA tile (``mla_helpers.select_mla_decode_tilers``: the FP8 M64 tile of num_heads * q_len <= 64
+    is SM100's only; an SM103 takes the 2-CTA M128 tile). Raises :class:`KernelUnsupportedError`
+    when the library's own ``_check_can_implement`` rejects the configuration or
+    ``get_mla_decode_arch`` the device.
     """
     _check_shape_args(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
     tokenspeed_mla = _import("tokenspeed_mla", "tokenspeed-mla")
@@ -421,6 +447,7 @@ def tokenspeed_decode_variant(
     with fake_b200(device), _spy_on(mla_decode, "_get_compiled_mla_kernel"):
         return _capture_variant(
             "tokenspeed_mla",
+            device,
             lambda: tokenspeed_mla.tokenspeed_mla_decode(
                 **inputs,
                 kv_lora_rank=KV_LORA_RANK,
@@ -430,7 +457,7 @@ def tokenspeed_decode_variant(
                 output_scale=1.0,
                 enable_pdl=enable_pdl,
             ),
-            unsupported_marker="unsupported configuration",
+            unsupported_markers=("unsupported configuration", "MLA decode requires"),
             missed="tokenspeed_mla_decode returned without calling mla_decode._get_compiled_mla_kernel; "
             "the library's compile path changed, update attn/sm100_compile.py",
         )
@@ -462,8 +489,10 @@ def cutedsl_decode_variant(
     FlashInfer's device helpers refuse non-CUDA tensors, so besides :func:`fake_b200` the names
     ``get_compute_capability`` / ``device_support_pdl`` / ``get_device_sm_count`` are patched in
     ``flashinfer.mla._core`` and the monolithic module for the duration of the call (``enable_pdl``
-    then resolves as on a B200: True). Raises :class:`KernelUnsupportedError` when FlashInfer's
-    ``_cute_dsl_incompatibility_reason`` rejects the configuration.
+    then resolves as on a B200: True). The kernel is compiled for ``device``'s
+    ``arch="sm_{major}{minor}a"``; its tiles and split-KV do not depend on the arch (split-KV
+    follows the SM count). Raises :class:`KernelUnsupportedError` when FlashInfer's
+    ``_cute_dsl_incompatibility_reason`` rejects the configuration or the device.
     """
     _check_shape_args(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
     core = _import("flashinfer.mla._core", "flashinfer-python")
@@ -491,6 +520,7 @@ def cutedsl_decode_variant(
         stack.enter_context(_spy_on(modular, "_compile_mla_kernel"))
         return _capture_variant(
             "flashinfer",
+            device,
             lambda: core.trtllm_batch_decode_with_kv_cache_mla(
                 **inputs,
                 qk_nope_head_dim=QK_NOPE_HEAD_DIM,
@@ -502,7 +532,7 @@ def cutedsl_decode_variant(
                 backend="cute-dsl",
                 cute_dsl_impl=cute_dsl_impl,
             ),
-            unsupported_marker="cute-dsl backend",
+            unsupported_markers=("cute-dsl backend",),
             missed="trtllm_batch_decode_with_kv_cache_mla(backend='cute-dsl') returned without calling a "
             "known cute-dsl compile function; update attn/sm100_compile.py",
         )
@@ -517,8 +547,10 @@ def compile_tokenspeed_decode(
     batch_size: int = 1,
     max_seq_len: int = 4096,
     enable_pdl: bool = True,
+    device: DeviceDescription = B200,
 ) -> float:
-    """Compile tokenspeed-mla's MLA decode kernel for sm_100a, as the runtime would; return seconds.
+    """Compile tokenspeed-mla's MLA decode kernel for ``device`` (sm_100a on the default B200,
+    sm_103a on a :data:`B300`), as the runtime would; return seconds.
 
     Shapes: query [batch_size, q_len, num_heads, 576] and KV pool [pages, page_size, 576], both
     ``kv_dtype`` (``torch.float8_e4m3fn`` or ``torch.bfloat16``); output [B, q_len, H, 512] bf16.
@@ -527,7 +559,7 @@ def compile_tokenspeed_decode(
     """
     return tokenspeed_decode_variant(
         num_heads, q_len, page_size, kv_dtype,
-        batch_size=batch_size, max_seq_len=max_seq_len, enable_pdl=enable_pdl,
+        batch_size=batch_size, max_seq_len=max_seq_len, enable_pdl=enable_pdl, device=device,
     ).compile()
 
 
@@ -540,9 +572,10 @@ def compile_cutedsl_decode(
     batch_size: int = 1,
     max_seq_len: int = 4096,
     cute_dsl_impl: str = "auto",
+    device: DeviceDescription = B200,
 ) -> float:
-    """Compile FlashInfer's cute-dsl MLA decode kernel for sm_100a, as the runtime would; return
-    seconds.
+    """Compile FlashInfer's cute-dsl MLA decode kernel for ``device`` (sm_100a on the default
+    B200, sm_103a on a :data:`B300`), as the runtime would; return seconds.
 
     Shapes as for :func:`compile_tokenspeed_decode` (query [B, q_len, H, 576], KV pool
     [pages, page_size, 576], same dtype; output bf16). Needs no GPU. See
@@ -550,24 +583,27 @@ def compile_cutedsl_decode(
     """
     return cutedsl_decode_variant(
         num_heads, q_len, page_size, kv_dtype,
-        batch_size=batch_size, max_seq_len=max_seq_len, cute_dsl_impl=cute_dsl_impl,
+        batch_size=batch_size, max_seq_len=max_seq_len, cute_dsl_impl=cute_dsl_impl, device=device,
     ).compile()
 
 
 def distinct_variants(
-    variant_fn: Callable[..., KernelVariant], shapes: list[Mapping[str, Any]]
+    variant_fn: Callable[..., KernelVariant], shapes: list[Mapping[str, Any]],
+    known: Collection[KernelVariant] = (),
 ) -> list[tuple[KernelVariant, list[Mapping[str, Any]]]]:
     """The distinct kernel variants ``variant_fn`` (:func:`tokenspeed_decode_variant` or
-    :func:`cutedsl_decode_variant`) captures for ``shapes`` (its keyword arguments, one dict a
-    call), in first-seen order, each with the shapes that ask for it.
+    :func:`cutedsl_decode_variant`, a ``device`` bound with ``functools.partial``) captures for
+    ``shapes`` (its keyword arguments, one dict a call), in first-seen order, each with the shapes
+    that ask for it; those among ``known`` (already compiled elsewhere) left out.
 
     A worker's serving sizes (batch sizes x max_seq_len) map to a few variants, as the libraries
     pick split-KV from both: capturing is cheap (~0.01 s), so every size is captured and each
     variant compiled once.
     """
+    skip = {variant.key for variant in known}
     seen: dict[str, tuple[KernelVariant, list[Mapping[str, Any]]]] = {}
     for shape in shapes:
         variant = variant_fn(**shape)
-        key = repr(sorted(variant.kwargs.items()))
-        seen.setdefault(key, (variant, []))[1].append(shape)
+        if variant.key not in skip:
+            seen.setdefault(variant.key, (variant, []))[1].append(shape)
     return list(seen.values())

@@ -1,10 +1,12 @@
 """Compile checks for the Blackwell CuTe-DSL MLA decode kernels, on a CPU-only machine.
 
-Each test compiles, for sm_100a, the exact kernel variant that the library's runtime entry point
-would launch for one (num_heads, q_len, page_size, kv dtype) of the worker: q_len 1 is a draft /
-decode step, q_len 4 a verify pass with num_draft_tokens=4. The libraries also pick split-KV (the
-reducer compiled into the kernel) from the batch size and max_seq_len, so the serving tests
-capture a worker's every batch size and compile each distinct variant of its graph buckets. See
+Each test compiles, for sm_100a (B200), the exact kernel variant that the library's runtime entry
+point would launch for one (num_heads, q_len, page_size, kv dtype) of the worker: q_len 1 is a
+draft / decode step, q_len 4 a verify pass with num_draft_tokens=4. The libraries also pick
+split-KV (the reducer compiled into the kernel) from the batch size and max_seq_len, so the serving
+tests capture a worker's every batch size and compile each distinct variant of its graph buckets,
+also of the captures planned for a kv bound. For sm_103a (B300) the variants that differ from the
+B200's beyond the target arch are compiled, and one per kernel source of the rest. See
 attn/sm100_compile.py.
 
 The kernel libraries are optional. Install them without pulling a CUDA build of torch (the torch
@@ -14,11 +16,15 @@ pin keeps the preinstalled CPU torch; ~1 min on 2 cores):
     pip install -c /tmp/torch-pin.txt flashinfer-python==0.7.2.post1 \
         nvidia-cutlass-dsl==4.8.1 tokenspeed-mla==2.0.4
 
-Without them the compile tests skip (pytest.importorskip). Each compile takes 3-6 s on 2 cores;
-the 24 shape variants take about 2 minutes in all, the 19 serving variants about 70 s.
+Without them the compile tests skip (pytest.importorskip). Each compile takes 3-6 s on 2 cores
+(10-25 s on a slower 2-core machine): 24 shape variants, 24 serving variants of the longest
+context, 12 more of the kv-bounded captures, and 12 for sm_103a.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -26,7 +32,9 @@ import torch
 from attn import sm100_compile
 from attn.sm100_compile import (
     B200,
+    B300,
     KernelUnsupportedError,
+    KernelVariant,
     compile_cutedsl_decode,
     compile_tokenspeed_decode,
     cutedsl_decode_variant,
@@ -53,6 +61,9 @@ SHAPES = [
     for h in NUM_HEADS
     for q in Q_LENS
 ]
+# The same, as the variant functions' keyword arguments.
+SHAPE_KWARGS = [dict(num_heads=h, q_len=q, page_size=PAGE_SIZE, kv_dtype=dt) for h, q, dt in (p.values for p in SHAPES)]
+FP8 = torch.float8_e4m3fn
 
 
 def _need_tokenspeed() -> None:
@@ -267,15 +278,20 @@ def _variant_fn(backend: str):
     return cutedsl_decode_variant
 
 
-@pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
-def test_every_variant_the_worker_requests_compiles(backend, kv_dtype, record_property) -> None:
-    """The variants at the graph runner's default buckets (1, 2, 4, 8, 16, ... 64) and the
-    verify, draft and draft-extend q_lens the family serves, and its prefill chunks at every batch
-    size (eager), each compiled once."""
+def _unbounded_shapes(backend: str, kv_dtype: str) -> list[dict]:
+    """The family's passes at the graph runner's default buckets (1, 2, 4, 8, 16, ... 64), planned
+    for the longest context, and its prefill chunks at every batch size (eager)."""
     from graphs.runner import default_buckets
 
     shapes = _serving_shapes(backend, kv_dtype, default_buckets(SERVING["max_batch_size"]), SERVING_HEADS)
-    shapes += _prefill_shapes(backend, kv_dtype, SERVING_HEADS)
+    return shapes + _prefill_shapes(backend, kv_dtype, SERVING_HEADS)
+
+
+@pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
+def test_every_variant_the_worker_requests_compiles(backend, kv_dtype, record_property) -> None:
+    """The variants of the verify, draft and draft-extend q_lens the family serves at the graph
+    runner's buckets, and of its prefill chunks (_unbounded_shapes), each compiled once."""
+    shapes = _unbounded_shapes(backend, kv_dtype)
     variants = distinct_variants(_variant_fn(backend), shapes)
     # Split-KV follows the batch size: more than one variant per q_len.
     assert len({shape["q_len"] for shape in shapes}) < len(variants) < len(shapes)
@@ -284,25 +300,193 @@ def test_every_variant_the_worker_requests_compiles(backend, kv_dtype, record_pr
     record_property("compile_seconds", round(sum(seconds), 1))
 
 
+@pytest.mark.parametrize("device", [B200, B300], ids=["B200", "B300"])
 @pytest.mark.parametrize("page_size", [32, 64])
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
-def test_every_eager_batch_size_is_a_variant_the_library_takes(backend, kv_dtype, num_heads, page_size) -> None:
+def test_every_eager_batch_size_is_a_variant_the_library_takes(backend, kv_dtype, num_heads, page_size, device) -> None:
     """Eager batches take any size up to max_batch_size: each size's variant is one the library's
-    own checks accept (captured, not compiled: ~0.01 s each)."""
+    own checks accept (captured, not compiled: ~0.01 s each), on a B200 and on a B300."""
     shapes = _serving_shapes(backend, kv_dtype, list(range(1, SERVING["max_batch_size"] + 1)), num_heads, page_size)
     shapes += _prefill_shapes(backend, kv_dtype, num_heads, page_size)
-    variants = distinct_variants(_variant_fn(backend), shapes)  # KernelUnsupportedError: a size refused
+    variant_fn = functools.partial(_variant_fn(backend), device=device)
+    variants = distinct_variants(variant_fn, shapes)  # KernelUnsupportedError: a size refused
     assert {(v.kwargs["num_heads"], v.kwargs["page_size"]) for v, _ in variants} == {(num_heads, page_size)}
     assert all(v.kwargs["seq_len_q"] == shape["q_len"] for v, asked in variants for shape in asked)
 
 
-def test_fake_b200_pins_the_cute_dsl_default_arch() -> None:
+# ---------------------------------------------------------------------------------------------
+# kv-bounded graph captures: each pass planned for bound + its extra kv rows
+# ---------------------------------------------------------------------------------------------
+# The graph runner captures a bucket's step once more per kv bound (worker.kv_len_buckets, set as
+# worker.kv_len_bound), with every pass's AttnBatch.max_kv_len = bound + the pass's extra kv rows
+# (worker.pass_shapes), which the Blackwell backends hand the library as max_seq_len. The bounds
+# come from the backends' kv_len_bounds: the Blackwell backends declare none, so a worker of one
+# Blackwell family alone captures no bounded step (listed all the same, for when they do), but one
+# where triton_mla serves another role does (bounds of ~1k, 2k and 4k tokens at batches up to 4 on
+# a B200), and its Blackwell passes ask for fewer splits and other reducer capacities.
+
+
+def _kv_bound_settings(backend: str) -> list[dict]:
+    """The worker settings in which ``backend`` serves some roles: alone, and beside triton_mla."""
+    return [
+        dict(attention_backend=backend),
+        dict(attention_backend=backend, decode_backend="triton_mla"),
+        dict(attention_backend=backend, prefill_backend="triton_mla"),
+        dict(attention_backend="triton_mla", decode_backend=backend),
+    ]
+
+
+@pytest.fixture
+def planned_as_on_a_b200(monkeypatch) -> None:
+    """Workers built on the CPU plan as on a B200: the backends' GPU checks lifted (nothing
+    launches) and Triton's planner given the B200's SMs, not the interpreter's one."""
+    from attn import triton_mla_kernel
+    from attn.registry import backend_names, get_backend_class
+
+    for name in backend_names():
+        monkeypatch.setattr(get_backend_class(name), "required_sm", None)
+    monkeypatch.setattr(triton_mla_kernel, "_num_sms", lambda device: B200.multi_processor_count)
+
+
+def _serving_worker(models, settings: dict, kv_dtype: str):
+    """An EagleWorker of the SERVING sizes; its pools hold one request at full context (the kv
+    bounds follow the block tables' width, not the pool's size)."""
+    from specdec.config import SpecConfig
+    from specdec.worker import EagleWorker
+
+    pages = SERVING["max_context_len"] // SERVING["page_size"] + 1  # + the padding page
+    return EagleWorker(*models, SpecConfig(**SERVING, **settings, kv_dtype=kv_dtype, num_pages=pages))
+
+
+def _kv_bounded_shapes(worker, backend: str, kv_dtype: str, buckets: list[int]) -> list[dict]:
+    """The shapes ``backend``'s passes ask for in the worker's kv-bounded captures: per bucket and
+    bound on N (worker.kv_len_buckets), max_seq_len = bound + the pass's extra kv rows."""
+    from attn.base import KV_DTYPES as POOL_DTYPES
+
+    return [dict(num_heads=SERVING_HEADS, q_len=q_len, page_size=SERVING["page_size"], kv_dtype=POOL_DTYPES[kv_dtype],
+                 batch_size=bs, max_seq_len=bound + extra)
+            for bs in buckets for bound in worker.kv_len_buckets(bs)
+            for pass_backend, extra, q_len in worker.pass_shapes() if pass_backend.name == backend]
+
+
+@pytest.mark.usefixtures("planned_as_on_a_b200")
+@pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
+def test_every_kv_bounded_variant_the_worker_captures_compiles(backend, kv_dtype, record_property) -> None:
+    """The variants of the kv-bounded captures at the default buckets, of every worker the family
+    serves in, that the longest context's captures do not ask for (those compile above)."""
+    from graphs.runner import default_buckets
+    from spec_helpers import make_models
+
+    variant_fn = _variant_fn(backend)
+    models = make_models(num_attention_heads=SERVING_HEADS)
+    buckets = default_buckets(SERVING["max_batch_size"])
+    shapes = [shape for settings in _kv_bound_settings(backend)
+              for shape in _kv_bounded_shapes(_serving_worker(models, settings, kv_dtype), backend, kv_dtype, buckets)]
+    assert shapes and all(shape["max_seq_len"] < SERVING["max_context_len"] for shape in shapes)
+    compiled = [variant for variant, _ in distinct_variants(variant_fn, _unbounded_shapes(backend, kv_dtype))]
+    variants = distinct_variants(variant_fn, shapes, known=compiled)
+    assert variants  # a shorter max_seq_len asks for fewer splits: kernels no unbounded capture asks for
+    seconds = [variant.compile() for variant, _ in variants]
+    record_property("variants", len(variants))
+    record_property("compile_seconds", round(sum(seconds), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# B300 (SM103): what differs from the B200, compiled for sm_103a
+# ---------------------------------------------------------------------------------------------
+# Both backends declare SM103 (required_sm). Both libraries compile for the device's own arch
+# (tokenspeed: --gpu-arch from compute_capability; FlashInfer: arch="sm_103a") and take other
+# code paths there (the arch branches of tokenspeed's mla_decode_fp8.py / mla_decode_fp16.py and
+# of FlashInfer's monolithic kernels); with the B300's 148 SMs, the B200's count, their split-KV
+# heuristics answer as on a B200. One choice changes: tokenspeed's FP8 M64 tile is SM100's only
+# (mla_helpers.select_mla_decode_tilers), so on an SM103 an FP8 pass of num_heads * q_len <= 64
+# rows (at 16 heads a rank: every draft, verify and draft-extend pass) takes the 2-CTA M128 tile,
+# split by another heuristic. Those variants all compile here (on sm_103a's code paths). The rest
+# are B200 variants but for the arch: of FlashInfer's, one per kernel source compiles; tokenspeed's
+# (its prefill chunks; the BF16 kernel, which the backend does not run) are not compiled again.
+
+
+def _tokenspeed_tiles(variant: KernelVariant) -> tuple:
+    """The MMA tiles tokenspeed's compile function picks for ``variant``: ((qk M, N), (pv M, N))."""
+    from tokenspeed_mla.mla_helpers import select_mla_decode_tilers
+
+    kw = variant.kwargs
+    return select_mla_decode_tilers(kw["num_heads"], kw["seq_len_q"], is_fp8=kw["torch_dtype"] == FP8,
+                                    compute_capability=kw["compute_capability"])
+
+
+def _b200_and_b300(variant_fn, shape: dict) -> tuple[KernelVariant, KernelVariant]:
+    return variant_fn(**shape, device=B200), variant_fn(**shape, device=B300)
+
+
+def _on_another_tile(b200: KernelVariant, b300: KernelVariant) -> bool:
+    return _tokenspeed_tiles(b200) != _tokenspeed_tiles(b300)
+
+
+def test_b300_tokenspeed_takes_another_tile_only_for_fp8_passes_of_64_rows_or_fewer() -> None:
+    """Over the shapes and the serving sizes: another tile exactly where an FP8 pass has
+    num_heads * q_len <= 64; elsewhere the B300's variant is the B200's but for the capability."""
+    _need_tokenspeed()
+    shapes = SHAPE_KWARGS + _unbounded_shapes("tokenspeed_mla", "fp8_e4m3")
+    other_tile = []
+    for shape in shapes:
+        b200, b300 = _b200_and_b300(tokenspeed_decode_variant, shape)
+        if _on_another_tile(b200, b300):
+            other_tile.append(shape)
+        else:
+            assert dict(b300.kwargs) == {**b200.kwargs, "compute_capability": (10, 3)}
+    assert other_tile == [s for s in shapes if s["kv_dtype"] == FP8 and s["num_heads"] * s["q_len"] <= 64]
+
+
+def test_b300_cutedsl_variants_are_the_b200s_but_for_the_arch() -> None:
+    """Over the shapes and the serving sizes: the tiles and split-KV follow the SM count, not the arch."""
+    _need_flashinfer()
+    for shape in SHAPE_KWARGS + _unbounded_shapes("cutedsl_mla", "bf16"):
+        b200, b300 = _b200_and_b300(cutedsl_decode_variant, shape)
+        assert dict(b300.kwargs) == {**b200.kwargs, "arch": "sm_103a"}
+
+
+def test_every_b300_tokenspeed_variant_on_another_tile_compiles(record_property) -> None:
+    """The distinct variants of the shapes and serving sizes a B300 runs on the M128 tile where a
+    B200 runs the M64 one, compiled for sm_103a."""
+    _need_tokenspeed()
+    shapes = [shape for shape in SHAPE_KWARGS + _unbounded_shapes("tokenspeed_mla", "fp8_e4m3")
+              if _on_another_tile(*_b200_and_b300(tokenspeed_decode_variant, shape))]
+    variants = distinct_variants(functools.partial(tokenspeed_decode_variant, device=B300), shapes)
+    assert {(v.kwargs["compute_capability"], _tokenspeed_tiles(v)[0]) for v, _ in variants} == {((10, 3), (128, 128))}
+    seconds = [variant.compile() for variant, _ in variants]
+    record_property("variants", len(variants))
+    record_property("compile_seconds", round(sum(seconds), 1))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda dt: str(dt).removeprefix("torch."))
+def test_b300_cutedsl_decode_compiles(kv_dtype, record_property) -> None:
+    """One split-KV variant per kernel source (monolithic mla_decode_fp16.py / mla_decode_fp8.py)
+    for sm_103a: the serving verify pass, 16 heads x q_len 4, at batch 1."""
+    _need_flashinfer()
+    variant = cutedsl_decode_variant(SERVING_HEADS, 4, PAGE_SIZE, kv_dtype, device=B300)
+    assert variant.kwargs["arch"] == "sm_103a" and not variant.kwargs["is_workspace_size_zero"]
+    record_property("compile_seconds", round(variant.compile(), 2))
+
+
+@pytest.mark.parametrize("backend", ["tokenspeed_mla", "cutedsl_mla"])
+def test_a_device_outside_the_sm100_family_is_refused(backend) -> None:
+    """The device reaches the libraries' own checks: an H100 (SM90) is refused by both."""
+    h100 = dataclasses.replace(B200, name="NVIDIA H100", major=9, minor=0, multi_processor_count=132)
+    with pytest.raises(KernelUnsupportedError, match="SM100"):
+        _variant_fn(backend)(SERVING_HEADS, 4, PAGE_SIZE, FP8, device=h100)
+
+
+@pytest.mark.parametrize("device, arch", [(B200, "sm_100a"), (B300, "sm_103a")], ids=["B200", "B300"])
+def test_fake_b200_pins_the_cute_dsl_default_arch(device, arch) -> None:
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from cutlass.cutlass_dsl import BaseDSL
 
     dsl = BaseDSL._get_dsl()
     before = dsl.envar.arch
-    with fake_b200():
-        assert str(dsl.get_arch_enum()) == "sm_100a"
+    with fake_b200(device):
+        assert str(dsl.get_arch_enum()) == arch
+        assert torch.cuda.get_device_capability() == (device.major, device.minor)
+        assert torch.cuda.get_device_properties(0).multi_processor_count == 148
     assert dsl.envar.arch == before
