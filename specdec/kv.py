@@ -112,15 +112,20 @@ class MLAKVPool:
         if sum(need) > len(self._free_pages):
             raise OutOfPagesError(f"need {sum(need)} more KV pages, {len(self._free_pages)} free; raise num_pages")
         writes = []  # (flat req_to_token index of the page's first slot, page)
-        for row, k in zip(rows, need):
-            req = self._requests[row]
-            for _ in range(k):
-                page = self._free_pages.pop()
-                writes.append((row * self.max_context_len + len(req.pages) * ps, page))
-                req.pages.append(page)
-            self.capacity[row] = len(req.pages) * ps
-        if writes:
-            self._write_slots(writes)
+        held = [len(self._requests[row].pages) for row in rows]
+        try:
+            for row, k in zip(rows, need):
+                req = self._requests[row]
+                for _ in range(k):
+                    req.pages.append(self._free_pages.pop())
+                    writes.append((row * self.max_context_len + (len(req.pages) - 1) * ps, req.pages[-1]))
+                self.capacity[row] = len(req.pages) * ps
+            if writes:
+                self._write_slots(writes)
+        except BaseException:  # the slots' write failed (out of memory): the pages go back, as trim returns them
+            for row, n in zip(reversed(rows), reversed(held)):
+                self.trim(row, n * ps)
+            raise
 
     def trim(self, row: int, num_tokens: int) -> None:
         """Return the pages of request ``row`` past position ``num_tokens`` (0 frees them all).

@@ -146,16 +146,22 @@ class HostCopy:
         self.rows = rows
 
     def wait(self) -> np.ndarray:
-        """The started copy: a numpy view of the buffer's first rows, valid until the next start."""
+        """The started copy: a numpy view of the buffer's first rows, valid until the next start.
+        It may be waited for again (a reader interrupted before it was done) until release."""
         if self.rows is None:
             raise RuntimeError("no copy in flight: finish_step needs the result of launch_step")
         if self.on_cuda:
             self.event.synchronize()
-        rows, self.rows = self.rows, None
-        return self.array[:rows]
+        return self.array[: self.rows]
+
+    def release(self) -> None:
+        """The started copy is read: the next wait needs another start."""
+        self.rows = None
 
     def fetch(self, t: torch.Tensor) -> np.ndarray:
-        """enqueue, start and wait: a synchronous copy of t."""
+        """enqueue, start, wait and release: a synchronous copy of t."""
         self.enqueue(t)
         self.start(t.shape[0])
-        return self.wait()
+        rows = self.wait()
+        self.release()
+        return rows

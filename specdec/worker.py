@@ -321,10 +321,17 @@ class EagleWorker:
         self._in_flight = result
         return result
 
+    @property
+    def in_flight(self) -> Optional[AcceptResult]:
+        """The step launch_step launched and finish_step has not finished (None: none). A
+        finish_step that raised (an interrupt, out of memory) changed nothing: call it again with
+        this, e.g. after step() raised."""
+        return self._in_flight
+
     def check_idle(self, call: str) -> None:
         """Refuse ``call`` while a step is in flight: its results apply to the batch it launched."""
         if self._in_flight is not None:
-            raise RuntimeError(f"{call} while a step is in flight: finish_step(result of launch_step) first")
+            raise RuntimeError(f"{call} while a step is in flight: finish_step(worker.in_flight) first")
 
     @on_device
     @torch.inference_mode()
@@ -339,20 +346,30 @@ class EagleWorker:
                 raise ValueError(f"abort: {type(r).__name__} {r if not isinstance(r, Request) else r.rid} is not a "
                                  "Request this worker's add_requests returned (pass those objects, not ids or copies)")
         stop = {id(r) for r in requests}
-        self._finish_rows([i for i, r in enumerate(self.requests) if id(r) in stop])
+        rows = [i for i, r in enumerate(self.requests) if id(r) in stop]
+        self._finish_rows(rows, self._state_without(rows))
 
-    def _finish_rows(self, rows: list[int]) -> None:
-        """The running requests at ``rows`` finish: their pages and rows return, and the batch and
-        its device state keep the others."""
+    def _state_without(self, rows: list[int]) -> Optional[DecodeState]:
+        """The device state of the running requests but those at ``rows`` (None: none stay; the
+        state itself when none leave). Device work that may fail (out of memory): callers get it
+        before they change anything."""
+        if not rows:
+            return self.state
+        leaving = set(rows)
+        keep = [i for i in range(len(self.requests)) if i not in leaving]
+        return self.state.select(host_to_device(keep, self.device)) if keep else None
+
+    def _finish_rows(self, rows: list[int], state: Optional[DecodeState]) -> None:
+        """The running requests at ``rows`` finish: their pages and rows return, and the batch
+        keeps the others, whose device state is ``state`` (_state_without(rows))."""
         if not rows:
             return
         for i in rows:
             self.requests[i].finished = True
             self._release(self.requests[i])
         leaving = set(rows)
-        keep = [i for i in range(len(self.requests)) if i not in leaving]
-        self.requests = [self.requests[i] for i in keep]
-        self.state = self.state.select(host_to_device(keep, self.device)) if keep else None
+        self.requests = [r for i, r in enumerate(self.requests) if i not in leaving]
+        self.state = state
         self._batch = None
 
     def state_template(self, batch_size: int) -> DecodeState:
@@ -580,8 +597,13 @@ class EagleWorker:
         if result is not self._in_flight:
             raise RuntimeError("finish_step takes the result of the step in flight (what launch_step returned)")
         packed = self._emitted.wait()  # [B, num_steps + 4]: result.emitted, accept_len, take, done
-        self._in_flight = None  # after the wait: an interrupted wait may be retried
         accept_len, take, done = packed[:, -3:].T
+        finished = np.flatnonzero(done).tolist()
+        # The step's one call that may fail (out of memory) comes before any change: a failed or
+        # interrupted finish_step may be retried.
+        state = self._state_without(finished)
+        self._emitted.release()
+        self._in_flight = None
         h = self._batch_host()
         # N advances in the batch's array (the page checks') and in each request (what a rebuild of
         # the batch reads): all accept_len + 1 for each request that stays; only finishing ones are cut.
@@ -589,5 +611,5 @@ class EagleWorker:
         for req, row, k in zip(h.requests, packed.tolist(), take.tolist()):
             req.output += row[:k]  # k <= num_steps + 1: emitted tokens only
             req.seq_len += k
-        self._finish_rows(np.flatnonzero(done).tolist())
+        self._finish_rows(finished, state)
         return StepStats(accept_len.tolist(), int(take.sum()))

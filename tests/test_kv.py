@@ -23,6 +23,26 @@ def test_slots_follow_pages_and_page_zero_is_never_handed_out():
     assert len(set(pages.tolist())) == 3
 
 
+def test_a_failed_slot_write_gives_the_pages_back(monkeypatch):
+    """ensure_capacity_many is all or nothing when the req_to_token write fails too (a copy to the
+    device: out of memory): the pages, capacities and block tables are as before, and the next
+    call maps the pages (they were held, unmapped, and never mapped again)."""
+    pool = make_pool()
+    a, b = pool.alloc_request(), pool.alloc_request()
+    pool.ensure_capacity(a, 3)
+    before = (pool.num_free_pages, pool.capacity.copy(), pool.req_to_token.clone())
+    write = MLAKVPool._write_slots
+    monkeypatch.setattr(MLAKVPool, "_write_slots", lambda self, writes: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pool.ensure_capacity_many([a, b], [10, 6])
+    assert pool.num_free_pages == before[0] and (pool.capacity == before[1]).all()
+    assert torch.equal(pool.req_to_token, before[2])
+    monkeypatch.setattr(MLAKVPool, "_write_slots", write)
+    pool.ensure_capacity_many([a, b], [10, 6])
+    assert (pool.req_to_token[[a, b], :6] // 4 > 0).all() and (pool.req_to_token[a, :10] // 4 > 0).all()
+    assert len(set((pool.req_to_token[a, :10] // 4).tolist()) | set((pool.req_to_token[b, :6] // 4).tolist())) == 5
+
+
 def test_exhaustion_is_all_or_nothing_and_free_returns_everything():
     pool = make_pool(num_pages=5)
     a, b = pool.alloc_request(), pool.alloc_request()

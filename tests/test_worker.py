@@ -256,11 +256,58 @@ def test_nothing_changes_the_batch_while_a_step_is_in_flight(target, mtp):
     with pytest.raises(KeyboardInterrupt):  # an interrupted wait: finish_step may be called again
         worker.finish_step(result)
     worker._emitted.wait = wait
+    assert worker.in_flight is result
     worker.finish_step(result)
+    assert worker.in_flight is None
     with pytest.raises(RuntimeError, match="result of the step in flight"):
         worker.finish_step(result)  # taken once
     drain(worker)
     assert [r.output for r in reqs] == greedy_generate(target, group, 10)
+
+
+def test_a_finish_step_or_abort_that_fails_changes_nothing(target, mtp, monkeypatch):
+    """The batch's state shrinks by a gather on the device, which may run out of memory: a
+    finish_step or abort where it fails changes nothing (requests, outputs, pages, state), and
+    finish_step(worker.in_flight) / abort again then complete it; the decode stays target-only
+    greedy. (Before, the requests left and the state kept their rows: the next step failed, or ran
+    a new request on another's state.)"""
+    from specdec.state import DecodeState
+
+    worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
+    group = prompts(3, seed=16)
+    aborted, *others = reqs = worker.add_requests(group[:2], 20) + worker.add_requests(group[2:], 8)
+    select, failing = DecodeState.select, [True]
+    monkeypatch.setattr(DecodeState, "select", lambda st, keep: (
+        (_ for _ in ()).throw(RuntimeError("out of memory")) if failing[0] else select(st, keep)))
+
+    def snapshot():
+        return ([r.rid for r in worker.requests], [list(r.output) for r in reqs], [r.finished for r in reqs],
+                free_pages(worker), worker.state.root.clone())
+
+    before = snapshot()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        worker.abort([aborted])
+    after = snapshot()
+    assert after[:4] == before[:4] and torch.equal(after[4], before[4])
+    failing[0] = False
+    worker.abort([aborted])
+    assert aborted.finished and worker.requests == others
+    failed = False
+    while worker.requests:
+        result = worker.launch_step()
+        failing[0] = True
+        before = snapshot()
+        try:
+            worker.finish_step(result)  # raises only in a step where a request finishes
+        except RuntimeError:
+            failed = True
+            after = snapshot()
+            assert after[:4] == before[:4] and torch.equal(after[4], before[4]) and worker.in_flight is result
+            failing[0] = False
+            worker.finish_step(worker.in_flight)
+        failing[0] = False
+    assert failed  # the request of 8 tokens finished before the other
+    assert [r.output for r in others] == greedy_generate(target, group[1:2], 20) + greedy_generate(target, group[2:], 8)
 
 
 @pytest.mark.parametrize("topk,ndt,draft_masks", [(2, 6, [(3, 2, 2), (3, 2, 4)]), (1, None, [None, None])])
