@@ -121,7 +121,8 @@ class EagleWorker:
         max_context_len or a pool's pages could not hold at its last step too) raises and changes
         nothing. The new requests take the pages of their prefill and first step (BatchPages.admission),
         else OutOfPagesError, changing nothing; a failure while prefilling (out of memory) releases
-        the new requests' pages and rows and leaves the running batch as it was. Not while a step
+        the new requests' pages and rows and leaves the running batch's decode as it was (pages
+        its requests held ahead of need, taken back to admit them, stay free). Not while a step
         is in flight (between launch_step and finish_step).
         """
         self.check_idle("add_requests")
