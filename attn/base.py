@@ -69,10 +69,12 @@ def kv_scale_ok(value: object) -> bool:
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """``x / scale`` in ``dtype``; for float8_e4m3fn saturating at +-448 (torch before 2.12 cast
-    a value past 464, and inf, to NaN; 2.12 saturates), in fp32 so it is rounded once.
+    a value past 464, and inf, to NaN; 2.12 saturates), divided in fp32 so it is rounded once.
     Another dtype takes ``x`` as it is (its scale is 1)."""
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
+    if scale == 1.0:  # (a query: 448 is exact in bf16/fp16, so the clamp rounds nothing)
+        return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
     return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
 
 

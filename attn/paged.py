@@ -280,8 +280,7 @@ class PagedMLABackend:
             raise ValueError(f"{self.name}: the tree mask's last dim must be contiguous, got strides {mask.stride()}")
 
     def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:
-        scale = self.kv.kv_scale if cache.dtype == torch.float8_e4m3fn else 1.0
-        rows(cache).index_copy_(0, loc, rows(to_cache_dtype(kv_new, cache.dtype, scale)))
+        rows(cache).index_copy_(0, loc, rows(to_cache_dtype(kv_new, cache.dtype, self.kv.kv_scale)))
 
     def bmm1_scale(self) -> float:
         """Scale applied to q·K: k_scale (fp8 cache only) * softmax scale."""

@@ -122,20 +122,29 @@ class SpecConfig:
         self.validate()
 
     def __setattr__(self, name: str, value: object) -> None:
+        self._refuse_if_locked(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:  # (a deleted field read as the class default)
+        self._refuse_if_locked(name)
+        super().__delattr__(name)
+
+    def _refuse_if_locked(self, name: str) -> None:
         if vars(self).get("_locked"):
             raise ConfigError(
                 f"this SpecConfig is a worker's (worker.config), read-only: its pools, buffers, backends and graphs "
                 f"were sized from it. Build a new worker from dataclasses.replace(worker.config, {name}=...)")
-        super().__setattr__(name, value)
 
     def __getstate__(self) -> dict:
         """Copies (copy, deepcopy, pickle) are editable: the lock stays with the worker's object."""
         return {k: v for k, v in vars(self).items() if k != "_locked"}
 
     def lock(self) -> None:
-        """Make this config read-only: a later assignment raises ConfigError. EagleWorker locks its
-        own validated copy, so an edit of ``worker.config`` is refused instead of reaching half the
-        worker. Copies of a locked config are not locked."""
+        """Make this config read-only: a later assignment or deletion raises ConfigError, and
+        cuda_graph_batch_sizes becomes a tuple. EagleWorker locks its own validated copy, so an
+        edit of ``worker.config`` is refused instead of reaching half the worker. Copies of a
+        locked config are not locked (replace's and validate's take the tuple as a list again)."""
+        vars(self)["cuda_graph_batch_sizes"] = tuple(self.cuda_graph_batch_sizes)
         vars(self)["_locked"] = True
 
     @property
@@ -166,6 +175,8 @@ class SpecConfig:
         checked = copy.copy(self)
         checked._check()
         vars(self).update(vars(checked))
+        if vars(self).get("_locked"):  # (the check made the buckets a list again)
+            self.lock()
 
     def _check(self) -> None:
         """validate's checks, normalising this object's settings as they go."""

@@ -51,7 +51,7 @@ class EagleWorker:
         config = copy.deepcopy(config)  # the worker's own: later edits of the caller's reach nothing sized from it
         config.validate()  # again: a config may have been changed since it was built
         config.lock()
-        self.config = config
+        self._config = config
         check_target(target)
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -323,10 +323,17 @@ class EagleWorker:
         return result
 
     @property
+    def config(self) -> SpecConfig:
+        """The worker's validated, read-only SpecConfig (its pools, buffers and graphs were sized
+        from it): build another worker from ``dataclasses.replace(worker.config, ...)``."""
+        return self._config
+
+    @property
     def in_flight(self) -> Optional[AcceptResult]:
         """The step launch_step launched and finish_step has not finished (None: none). A
-        finish_step that raised (an interrupt, out of memory) changed nothing: call it again with
-        this, e.g. after step() raised."""
+        finish_step that raised before its host bookkeeping (an interrupted wait, out of memory in
+        the batch state's gather) changed nothing: call it again with this, e.g. after step()
+        raised and this is not None."""
         return self._in_flight
 
     def check_idle(self, call: str) -> None:
@@ -595,13 +602,16 @@ class EagleWorker:
     def finish_step(self, result: AcceptResult) -> StepStats:
         """Wait for the step's copy to the host (enqueued by launch_step, of ``result`` and its
         stops); then the host bookkeeping, and finished requests leave."""
+        if self._in_flight is None:
+            raise RuntimeError("finish_step: no step in flight (launch_step raised before launching one, or the "
+                               "step was finished): nothing to finish; call launch_step or step")
         if result is not self._in_flight:
             raise RuntimeError("finish_step takes the result of the step in flight (what launch_step returned)")
         packed = self._emitted.wait()  # [B, num_steps + 4]: result.emitted, accept_len, take, done
         accept_len, take, done = packed[:, -3:].T
         finished = np.flatnonzero(done).tolist()
-        # The step's one call that may fail (out of memory) comes before any change: a failed or
-        # interrupted finish_step may be retried.
+        # The step's one call that may fail (out of memory) comes before any change: a finish_step
+        # that raised there or in the wait (an interrupt) may be called again.
         state = self._state_without(finished)
         self._emitted.release()
         self._in_flight = None

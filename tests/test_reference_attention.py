@@ -358,11 +358,21 @@ def test_torch_ref_backend_over_a_scaled_fp8_pool():
     torch.testing.assert_close(out, plain_causal(q, stored, 0.05), rtol=1e-4, atol=1e-4)
 
 
-def test_an_fp8_cache_write_and_query_saturate_at_448():
-    """An fp8 cache stores kv / kv_scale clamped to +-448, inf included (torch before 2.12 cast a
-    value past 464 to NaN, which then sat in freed pages too), and attention over it stays finite;
-    the Blackwell adapters' fp8 queries (to_cache_dtype, scale 1) saturate the same way."""
+def test_an_fp8_cache_write_and_query_saturate_at_448(monkeypatch):
+    """An fp8 cache stores kv / kv_scale clamped to +-448, inf included, and attention over it
+    stays finite; the Blackwell adapters' fp8 queries (to_cache_dtype, scale 1) saturate the same
+    way. The casts run as torch before 2.12 made them (2.12 saturates itself): a value past 464,
+    and inf, became NaN, which then sat in freed pages too."""
     from attn.base import to_cache_dtype
+
+    cast = torch.Tensor.to
+
+    def unsaturated_cast(self, *args, **kwargs):
+        if torch.float8_e4m3fn in (*args, kwargs.get("dtype")) and self.dtype != torch.float8_e4m3fn:
+            self = self.masked_fill(self.abs() > 464, float("nan"))
+        return cast(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", unsaturated_cast)
 
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float8_e4m3fn, kv_scale=0.5)
     row = pool.alloc_request()

@@ -259,8 +259,9 @@ def test_nothing_changes_the_batch_while_a_step_is_in_flight(target, mtp):
     assert worker.in_flight is result
     worker.finish_step(result)
     assert worker.in_flight is None
-    with pytest.raises(RuntimeError, match="result of the step in flight"):
-        worker.finish_step(result)  # taken once
+    for finished in (result, worker.in_flight):  # taken once; None (what in_flight says) names the case
+        with pytest.raises(RuntimeError, match="no step in flight .launch_step raised before launching one, or the step was finished"):
+            worker.finish_step(finished)
     drain(worker)
     assert [r.output for r in reqs] == greedy_generate(target, group, 10)
 
@@ -557,8 +558,14 @@ def test_the_workers_config_is_read_only(target, mtp):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=2, max_context_len=64))
     with pytest.raises(ConfigError, match=r"read-only.*dataclasses.replace\(worker.config, topk=\.\.\.\)"):
         worker.config.topk = 2
+    with pytest.raises(ConfigError, match="read-only"):
+        del worker.config.max_context_len  # (read the class default, 512)
+    with pytest.raises(AttributeError):
+        worker.config = dataclasses.replace(worker.config, max_context_len=128)  # (admitted what the pools could not hold)
+    with pytest.raises(AttributeError):
+        worker.config.cuda_graph_batch_sizes.append(2)  # a tuple: GraphRunner's default buckets stay
     worker.config.validate()  # validating it again normalises nothing new and is allowed
-    assert (worker.config.topk, worker.config.max_context_len) == (1, 64)
+    assert (worker.config.topk, worker.config.max_context_len, worker.config.cuda_graph_batch_sizes) == (1, 64, ())
     for other in (dataclasses.replace(worker.config, max_context_len=128), copy.deepcopy(worker.config),
                   pickle.loads(pickle.dumps(worker.config))):
         other.max_batch_size = 1
