@@ -4,10 +4,12 @@ Each test compiles, for sm_100a (B200), the exact kernel variant that the librar
 point would launch for one (num_heads, q_len, page_size, kv dtype) of the worker: q_len 1 is a
 draft / decode step, q_len 4 a verify pass with num_draft_tokens=4. The libraries also pick
 split-KV (the reducer compiled into the kernel) from the batch size and max_seq_len, so the serving
-tests capture a worker's every batch size and compile each distinct variant of its graph buckets,
-also of the captures planned for a kv bound. For sm_103a (B300) the variants that differ from the
-B200's beyond the target arch are compiled, and one per kernel source of the rest. See
-attn/sm100_compile.py.
+tests capture, at the SERVING sizes, a worker's every batch size up to max_batch_size (the graph
+buckets and eager batches), its prefill chunks and its captures planned for a kv bound, and compile
+each distinct variant once. For sm_103a (B300) the variants that differ from the B200's beyond the
+target arch are compiled; the rest, over the same shapes, are asserted to be B200 variants (compiled
+for sm_100a) but for the arch, and one per FlashInfer kernel source compiles for sm_103a too. At
+other head counts and page sizes, eager batch sizes are only captured. See attn/sm100_compile.py.
 
 The kernel libraries are optional. Install them without pulling a CUDA build of torch (the torch
 pin keeps the preinstalled CPU torch; ~1 min on 2 cores):
@@ -17,8 +19,8 @@ pin keeps the preinstalled CPU torch; ~1 min on 2 cores):
         nvidia-cutlass-dsl==4.8.1 tokenspeed-mla==2.0.4
 
 Without them the compile tests skip (pytest.importorskip). Each compile takes 3-6 s on 2 cores
-(10-25 s on a slower 2-core machine): 24 shape variants, 24 serving variants of the longest
-context, 12 more of the kv-bounded captures, and 12 for sm_103a.
+(10-25 s on a slower 2-core machine): 24 shape variants, 27 serving variants of the longest
+context (every batch size, prefill chunks), 6 more of the kv-bounded captures, and 18 for sm_103a.
 """
 
 from __future__ import annotations
@@ -278,21 +280,31 @@ def _variant_fn(backend: str):
     return cutedsl_decode_variant
 
 
-def _unbounded_shapes(backend: str, kv_dtype: str) -> list[dict]:
-    """The family's passes at the graph runner's default buckets (1, 2, 4, 8, 16, ... 64), planned
-    for the longest context, and its prefill chunks at every batch size (eager)."""
-    from graphs.runner import default_buckets
+def _unbounded_shapes(backend: str, kv_dtype: str, num_heads: int = SERVING_HEADS,
+                      page_size: int = SERVING["page_size"]) -> list[dict]:
+    """The family's passes at every batch size up to max_batch_size, planned for the longest
+    context (eager passes take any size; the graph runner's buckets, 1, 2, 4, 8, 16, ... 64, are
+    among them), and its prefill chunks at every batch size (eager)."""
+    shapes = _serving_shapes(backend, kv_dtype, list(range(1, SERVING["max_batch_size"] + 1)), num_heads, page_size)
+    return shapes + _prefill_shapes(backend, kv_dtype, num_heads, page_size)
 
-    shapes = _serving_shapes(backend, kv_dtype, default_buckets(SERVING["max_batch_size"]), SERVING_HEADS)
-    return shapes + _prefill_shapes(backend, kv_dtype, SERVING_HEADS)
+
+def _shape_variants(variant_fn) -> list[KernelVariant]:
+    """The variants of SHAPES on the B200, which test_*_decode_compiles compile."""
+    return [variant for variant, _ in distinct_variants(variant_fn, SHAPE_KWARGS)]
 
 
 @pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
 def test_every_variant_the_worker_requests_compiles(backend, kv_dtype, record_property) -> None:
-    """The variants of the verify, draft and draft-extend q_lens the family serves at the graph
-    runner's buckets, and of its prefill chunks (_unbounded_shapes), each compiled once."""
+    """The variants of the verify, draft and draft-extend q_lens the family serves at every batch
+    size (the graph runner's buckets and eager batches), and of its prefill chunks
+    (_unbounded_shapes), each compiled once for sm_100a; those of SHAPES left out (compiled above)."""
+    from graphs.runner import default_buckets
+
     shapes = _unbounded_shapes(backend, kv_dtype)
-    variants = distinct_variants(_variant_fn(backend), shapes)
+    assert set(default_buckets(SERVING["max_batch_size"])) <= {shape["batch_size"] for shape in shapes}
+    variant_fn = _variant_fn(backend)
+    variants = distinct_variants(variant_fn, shapes, known=_shape_variants(variant_fn))
     # Split-KV follows the batch size: more than one variant per q_len.
     assert len({shape["q_len"] for shape in shapes}) < len(variants) < len(shapes)
     seconds = [variant.compile() for variant, _ in variants]
@@ -306,9 +318,10 @@ def test_every_variant_the_worker_requests_compiles(backend, kv_dtype, record_pr
 @pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
 def test_every_eager_batch_size_is_a_variant_the_library_takes(backend, kv_dtype, num_heads, page_size, device) -> None:
     """Eager batches take any size up to max_batch_size: each size's variant is one the library's
-    own checks accept (captured, not compiled: ~0.01 s each), on a B200 and on a B300."""
-    shapes = _serving_shapes(backend, kv_dtype, list(range(1, SERVING["max_batch_size"] + 1)), num_heads, page_size)
-    shapes += _prefill_shapes(backend, kv_dtype, num_heads, page_size)
+    own checks accept, on a B200 and on a B300, at other head counts and page sizes too (captured
+    here, ~0.01 s each). At the SERVING sizes their variants compile: above for sm_100a, and below
+    for sm_103a where they are not the B200's but for the arch."""
+    shapes = _unbounded_shapes(backend, kv_dtype, num_heads, page_size)
     variant_fn = functools.partial(_variant_fn(backend), device=device)
     variants = distinct_variants(variant_fn, shapes)  # KernelUnsupportedError: a size refused
     assert {(v.kwargs["num_heads"], v.kwargs["page_size"]) for v, _ in variants} == {(num_heads, page_size)}
@@ -340,7 +353,9 @@ def _kv_bound_settings(backend: str) -> list[dict]:
 @pytest.fixture
 def planned_as_on_a_b200(monkeypatch) -> None:
     """Workers built on the CPU plan as on a B200: the backends' GPU checks lifted (nothing
-    launches) and Triton's planner given the B200's SMs, not the interpreter's one."""
+    launches) and Triton's planner given the B200's SMs, not the interpreter's one. A B300 has as
+    many, so its workers plan the same captures."""
+    assert B300.multi_processor_count == B200.multi_processor_count
     from attn import triton_mla_kernel
     from attn.registry import backend_names, get_backend_class
 
@@ -370,21 +385,29 @@ def _kv_bounded_shapes(worker, backend: str, kv_dtype: str, buckets: list[int]) 
             for pass_backend, extra, q_len in worker.pass_shapes() if pass_backend.name == backend]
 
 
-@pytest.mark.usefixtures("planned_as_on_a_b200")
-@pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
-def test_every_kv_bounded_variant_the_worker_captures_compiles(backend, kv_dtype, record_property) -> None:
-    """The variants of the kv-bounded captures at the default buckets, of every worker the family
-    serves in, that the longest context's captures do not ask for (those compile above)."""
+def _every_kv_bounded_shape(backend: str, kv_dtype: str) -> list[dict]:
+    """The shapes of the kv-bounded captures at the default buckets, of every worker the family
+    serves in (_kv_bound_settings); under planned_as_on_a_b200."""
     from graphs.runner import default_buckets
     from spec_helpers import make_models
 
-    variant_fn = _variant_fn(backend)
     models = make_models(num_attention_heads=SERVING_HEADS)
     buckets = default_buckets(SERVING["max_batch_size"])
-    shapes = [shape for settings in _kv_bound_settings(backend)
-              for shape in _kv_bounded_shapes(_serving_worker(models, settings, kv_dtype), backend, kv_dtype, buckets)]
+    return [shape for settings in _kv_bound_settings(backend)
+            for shape in _kv_bounded_shapes(_serving_worker(models, settings, kv_dtype), backend, kv_dtype, buckets)]
+
+
+@pytest.mark.usefixtures("planned_as_on_a_b200")
+@pytest.mark.parametrize("backend, kv_dtype", SERVING_BACKENDS)
+def test_every_kv_bounded_variant_the_worker_captures_compiles(backend, kv_dtype, record_property) -> None:
+    """The variants of the kv-bounded captures (_every_kv_bounded_shape) that neither SHAPES nor
+    the longest context's passes at any batch size ask for (those compile above), compiled for
+    sm_100a."""
+    variant_fn = _variant_fn(backend)
+    shapes = _every_kv_bounded_shape(backend, kv_dtype)
     assert shapes and all(shape["max_seq_len"] < SERVING["max_context_len"] for shape in shapes)
-    compiled = [variant for variant, _ in distinct_variants(variant_fn, _unbounded_shapes(backend, kv_dtype))]
+    compiled = _shape_variants(variant_fn) + [variant for variant, _ in
+                                              distinct_variants(variant_fn, _unbounded_shapes(backend, kv_dtype))]
     variants = distinct_variants(variant_fn, shapes, known=compiled)
     assert variants  # a shorter max_seq_len asks for fewer splits: kernels no unbounded capture asks for
     seconds = [variant.compile() for variant, _ in variants]
@@ -402,9 +425,19 @@ def test_every_kv_bounded_variant_the_worker_captures_compiles(backend, kv_dtype
 # heuristics answer as on a B200. One choice changes: tokenspeed's FP8 M64 tile is SM100's only
 # (mla_helpers.select_mla_decode_tilers), so on an SM103 an FP8 pass of num_heads * q_len <= 64
 # rows (at 16 heads a rank: every draft, verify and draft-extend pass) takes the 2-CTA M128 tile,
-# split by another heuristic. Those variants all compile here (on sm_103a's code paths). The rest
-# are B200 variants but for the arch: of FlashInfer's, one per kernel source compiles; tokenspeed's
-# (its prefill chunks; the BF16 kernel, which the backend does not run) are not compiled again.
+# split by another heuristic. Those variants all compile here (on sm_103a's code paths), over
+# SHAPES and every serving size (_every_shape: each batch size, prefill chunks, kv-bounded
+# captures). The rest are B200 variants but for the arch, which the tests assert over the same
+# shapes, and which compile above for sm_100a: of FlashInfer's, one per kernel source compiles
+# again for sm_103a; tokenspeed's (its prefill chunks; the BF16 kernel, which the backend does not
+# run) are not compiled again.
+
+
+def _every_shape(backend: str, kv_dtype: str) -> list[dict]:
+    """SHAPES and every serving size the family's passes ask for: the longest context's at every
+    batch size with the prefill chunks (_unbounded_shapes), and the kv-bounded captures
+    (_every_kv_bounded_shape; under planned_as_on_a_b200). All their B200 variants compile above."""
+    return SHAPE_KWARGS + _unbounded_shapes(backend, kv_dtype) + _every_kv_bounded_shape(backend, kv_dtype)
 
 
 def _tokenspeed_tiles(variant: KernelVariant) -> tuple:
@@ -424,11 +457,12 @@ def _on_another_tile(b200: KernelVariant, b300: KernelVariant) -> bool:
     return _tokenspeed_tiles(b200) != _tokenspeed_tiles(b300)
 
 
+@pytest.mark.usefixtures("planned_as_on_a_b200")
 def test_b300_tokenspeed_takes_another_tile_only_for_fp8_passes_of_64_rows_or_fewer() -> None:
-    """Over the shapes and the serving sizes: another tile exactly where an FP8 pass has
-    num_heads * q_len <= 64; elsewhere the B300's variant is the B200's but for the capability."""
+    """Over the shapes and every serving size (_every_shape): another tile exactly where an FP8 pass
+    has num_heads * q_len <= 64; elsewhere the B300's variant is the B200's but for the capability."""
     _need_tokenspeed()
-    shapes = SHAPE_KWARGS + _unbounded_shapes("tokenspeed_mla", "fp8_e4m3")
+    shapes = _every_shape("tokenspeed_mla", "fp8_e4m3")
     other_tile = []
     for shape in shapes:
         b200, b300 = _b200_and_b300(tokenspeed_decode_variant, shape)
@@ -439,19 +473,22 @@ def test_b300_tokenspeed_takes_another_tile_only_for_fp8_passes_of_64_rows_or_fe
     assert other_tile == [s for s in shapes if s["kv_dtype"] == FP8 and s["num_heads"] * s["q_len"] <= 64]
 
 
+@pytest.mark.usefixtures("planned_as_on_a_b200")
 def test_b300_cutedsl_variants_are_the_b200s_but_for_the_arch() -> None:
-    """Over the shapes and the serving sizes: the tiles and split-KV follow the SM count, not the arch."""
+    """Over the shapes and every serving size (_every_shape): the tiles and split-KV follow the SM
+    count, not the arch."""
     _need_flashinfer()
-    for shape in SHAPE_KWARGS + _unbounded_shapes("cutedsl_mla", "bf16"):
+    for shape in _every_shape("cutedsl_mla", "bf16"):
         b200, b300 = _b200_and_b300(cutedsl_decode_variant, shape)
         assert dict(b300.kwargs) == {**b200.kwargs, "arch": "sm_103a"}
 
 
+@pytest.mark.usefixtures("planned_as_on_a_b200")
 def test_every_b300_tokenspeed_variant_on_another_tile_compiles(record_property) -> None:
-    """The distinct variants of the shapes and serving sizes a B300 runs on the M128 tile where a
-    B200 runs the M64 one, compiled for sm_103a."""
+    """The distinct variants of the shapes and every serving size (_every_shape) a B300 runs on the
+    M128 tile where a B200 runs the M64 one, compiled for sm_103a."""
     _need_tokenspeed()
-    shapes = [shape for shape in SHAPE_KWARGS + _unbounded_shapes("tokenspeed_mla", "fp8_e4m3")
+    shapes = [shape for shape in _every_shape("tokenspeed_mla", "fp8_e4m3")
               if _on_another_tile(*_b200_and_b300(tokenspeed_decode_variant, shape))]
     variants = distinct_variants(functools.partial(tokenspeed_decode_variant, device=B300), shapes)
     assert {(v.kwargs["compute_capability"], _tokenspeed_tiles(v)[0]) for v, _ in variants} == {((10, 3), (128, 128))}
