@@ -115,8 +115,9 @@ B200 = DeviceDescription(
     shared_memory_per_block_optin=232448,
 )
 
-#: NVIDIA B300 (Blackwell Ultra, SM 10.3): 148 SMs like the B200 (the count cuDNN's SDPA heuristics
-#: quote for the B300 they were fitted on), 288 GB HBM3e (~268 GiB usable); L2 and shared memory
+#: NVIDIA B300 (Blackwell Ultra, SM 10.3), assumed to enable 148 SMs like the B200 (the count cuDNN's
+#: SDPA heuristics quote for the B300 they were fitted on; the die has 160, and split-KV, hence
+#: which variants compile, follows the enabled count), 288 GB HBM3e (268 GiB); L2 and shared memory
 #: assumed the B200's. The MLA decode kernels read only the capability and the SM count.
 B300 = dataclasses.replace(B200, name="NVIDIA B300", minor=3, total_memory=268 * 1024**3)
 
