@@ -3,7 +3,7 @@
 Our GPUs are Hopper, and CI has no GPU at all, yet two of the Blackwell-only decode kernels the
 worker can select are CuTe-DSL kernels that compile for ``sm_100a`` (B200) or ``sm_103a`` (B300)
 on any machine once the few device queries they make are answered with a fixed device description
-(:data:`B200`, :data:`B300`):
+(attn/fake_blackwell.py: :data:`B200`, :data:`B300`):
 
 * tokenspeed-mla's decode kernel (``tokenspeed_mla.tokenspeed_mla_decode``), used by the
   ``tokenspeed_mla`` backend;
@@ -26,7 +26,8 @@ by the functions that need them.
 Example::
 
     import torch
-    from attn.sm100_compile import B300, compile_cutedsl_decode, compile_tokenspeed_decode
+    from attn.fake_blackwell import B300
+    from attn.sm100_compile import compile_cutedsl_decode, compile_tokenspeed_decode
 
     seconds = compile_tokenspeed_decode(num_heads=128, q_len=4, page_size=64,
                                         kv_dtype=torch.float8_e4m3fn)
@@ -39,26 +40,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import sys
 import time
-from typing import Any, Callable, Collection, Iterator, Mapping
+from typing import Any, Callable, Collection, Mapping
 from unittest import mock
 
 import torch
 
 from attn.base import is_int
+from attn.fake_blackwell import B200, DeviceDescription, fake_b200
 
 __all__ = [
-    "B200",
-    "B300",
-    "DeviceDescription",
     "KernelUnsupportedError",
     "KernelVariant",
     "compile_cutedsl_decode",
     "compile_tokenspeed_decode",
     "cutedsl_decode_variant",
     "distinct_variants",
-    "fake_b200",
     "tokenspeed_decode_variant",
 ]
 
@@ -69,193 +66,6 @@ QK_NOPE_HEAD_DIM = 128
 HEAD_DIM_QK = KV_LORA_RANK + QK_ROPE_HEAD_DIM
 
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-
-
-# --------------------------------------------------------------------------------------------
-# The fake device
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceDescription:
-    """What the kernels' device queries are answered with inside :func:`fake_b200`.
-
-    The attribute names mirror ``torch.cuda.get_device_properties()`` so an instance can stand in
-    for it. ``max_active_clusters(cluster_size)`` answers ``cutlass.utils.HardwareInfo``'s
-    occupancy query for a kernel that fills one SM per CTA: ``multi_processor_count //
-    cluster_size`` (74 for the 2-CTA MLA decode clusters on a B200).
-    """
-
-    name: str
-    major: int
-    minor: int
-    multi_processor_count: int
-    total_memory: int
-    L2_cache_size: int
-    shared_memory_per_block_optin: int
-    max_threads_per_multi_processor: int = 2048
-    warp_size: int = 32
-    regs_per_multiprocessor: int = 65536
-    is_integrated: bool = False
-
-    def max_active_clusters(self, cluster_size: int) -> int:
-        if not 1 <= cluster_size <= 32:
-            raise ValueError(f"cluster_size must be in [1, 32], got {cluster_size}")
-        return self.multi_processor_count // cluster_size
-
-
-#: NVIDIA B200 (SM 10.0): 148 SMs, ~180 GiB HBM3e usable, 126 MiB L2, 227 KiB opt-in smem/block.
-B200 = DeviceDescription(
-    name="NVIDIA B200",
-    major=10,
-    minor=0,
-    multi_processor_count=148,
-    total_memory=180 * 1024**3,
-    L2_cache_size=126 * 1024**2,
-    shared_memory_per_block_optin=232448,
-)
-
-#: NVIDIA B300 (Blackwell Ultra, SM 10.3), assumed to enable 148 SMs like the B200 (the count cuDNN's
-#: SDPA heuristics quote for the B300 they were fitted on; the die has 160, and split-KV, hence
-#: which variants compile, follows the enabled count), 288 GB HBM3e (268 GiB); L2 and shared memory
-#: assumed the B200's. The MLA decode kernels read only the capability and the SM count.
-B300 = dataclasses.replace(B200, name="NVIDIA B300", minor=3, total_memory=268 * 1024**3)
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; on the CPU (the Blackwell backends' seam tests) the B200's."""
-    if device.type != "cuda":
-        return B200.multi_processor_count
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-# Library caches that memoise device answers. They are emptied on entry (so a real GPU's answers
-# never leak into a fake-B200 compile) and on exit (so fake answers never leak out). Only modules
-# already imported are touched; nothing is imported for this.
-_MEMOISED_DEVICE_QUERIES: tuple[tuple[str, str], ...] = (
-    ("flashinfer.utils", "get_device_properties"),
-    ("flashinfer.utils", "get_compute_capability"),
-    ("flashinfer.utils", "get_device_name"),
-    ("flashinfer.cute_dsl.utils", "get_max_active_clusters"),
-    ("tokenspeed_mla.utils", "get_num_sm"),
-    ("tokenspeed_mla.utils", "get_max_active_clusters"),
-)
-# Module globals holding a cached ``cutlass.utils.HardwareInfo`` instance.
-_HARDWARE_INFO_SINGLETONS: tuple[tuple[str, str], ...] = (
-    ("flashinfer.cute_dsl.utils", "_hardware_info_cache"),
-    ("tokenspeed_mla.utils", "_hardware_info_cache"),
-)
-
-
-def _clear_memoised_device_queries() -> None:
-    for module_name, attr in _MEMOISED_DEVICE_QUERIES:
-        fn = getattr(sys.modules.get(module_name), attr, None)
-        if fn is not None and hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-
-
-def _cute_dsl_environment() -> Any:
-    """The CuTe DSL's environment settings object (holds the default ``arch``), if reachable."""
-    try:
-        from cutlass.cutlass_dsl import BaseDSL
-
-        env = BaseDSL._get_dsl().envar
-    except (ImportError, AttributeError):
-        return None
-    return env if isinstance(getattr(type(env), "arch", None), property) else None
-
-
-def _fake_hardware_info_class(device: DeviceDescription) -> type:
-    class FakeHardwareInfo:
-        """Stands in for ``cutlass.utils.HardwareInfo`` (which needs a CUDA driver context)."""
-
-        def __init__(self, device_id: int = 0) -> None:
-            self.device_id = device_id
-
-        def get_max_active_clusters(self, cluster_size: int, stream: Any = None) -> int:
-            return device.max_active_clusters(cluster_size)
-
-        def get_device_multiprocessor_count(self) -> int:
-            return device.multi_processor_count
-
-        def get_l2_cache_size_in_bytes(self) -> int:
-            return device.L2_cache_size
-
-    return FakeHardwareInfo
-
-
-@contextlib.contextmanager
-def fake_b200(device: DeviceDescription = B200) -> Iterator[DeviceDescription]:
-    """Answer the CuTe-DSL kernels' device queries with ``device`` (a B200 by default, or e.g.
-    :data:`B300`).
-
-    Patched for the duration of the ``with`` block, and restored on exit:
-
-    * ``torch.cuda.get_device_capability`` -> ``(device.major, device.minor)``;
-    * ``torch.cuda.get_device_properties`` -> ``device`` (SM count, name, memory, ...);
-    * ``cutlass.utils.HardwareInfo`` -> a stand-in answering ``get_max_active_clusters``
-      (cluster capacity), SM count and L2 size;
-    * the CuTe DSL's default target arch -> ``sm_{major}{minor}a`` (what ``CUTE_DSL_ARCH`` sets;
-      only kernels compiled without an explicit ``--gpu-arch`` read it).
-
-    The last two only if ``cutlass`` (nvidia-cutlass-dsl) is installed; it is imported here.
-
-    The libraries' memoised device answers (flashinfer ``get_device_properties`` /
-    ``get_compute_capability``, the cute-dsl / tokenspeed ``get_max_active_clusters``,
-    tokenspeed ``get_num_sm``, and their cached ``HardwareInfo`` singletons) are emptied on entry
-    and exit, so neither real nor fake answers cross the boundary; on a machine with a GPU they are
-    simply recomputed on next use. This patches process-wide state: do not launch real GPU work
-    from other threads while inside the block. Nothing here launches a kernel.
-
-    Yields the ``DeviceDescription`` in force.
-    """
-    description = device
-
-    def get_device_capability(device: Any = None) -> tuple[int, int]:
-        return (description.major, description.minor)
-
-    def get_device_properties(device: Any = None) -> DeviceDescription:
-        return description
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            mock.patch.object(torch.cuda, "get_device_capability", get_device_capability)
-        )
-        stack.enter_context(
-            mock.patch.object(torch.cuda, "get_device_properties", get_device_properties)
-        )
-        try:
-            import cutlass.utils as cutlass_utils
-        except ImportError:
-            cutlass_utils = None
-        if cutlass_utils is not None:
-            stack.enter_context(
-                mock.patch.object(cutlass_utils, "HardwareInfo", _fake_hardware_info_class(device))
-            )
-            # The DSL's default target (used by kernels compiled without --gpu-arch, e.g.
-            # tokenspeed-mla's prefill) is CUTE_DSL_ARCH or the detected GPU: pin it.
-            dsl_env = _cute_dsl_environment()
-            if dsl_env is not None:
-                stack.enter_context(
-                    mock.patch.object(dsl_env, "arch", f"sm_{device.major}{device.minor}a")
-                )
-        # Restore HardwareInfo singletons exactly; reset them to None while inside.
-        saved = []
-        for module_name, attr in _HARDWARE_INFO_SINGLETONS:
-            module = sys.modules.get(module_name)
-            if module is not None and hasattr(module, attr):
-                saved.append((module, attr, getattr(module, attr)))
-                setattr(module, attr, None)
-        _clear_memoised_device_queries()
-        try:
-            yield device
-        finally:
-            _clear_memoised_device_queries()
-            for module_name, attr in _HARDWARE_INFO_SINGLETONS:
-                module = sys.modules.get(module_name)
-                if module is not None and hasattr(module, attr):
-                    setattr(module, attr, None)  # modules first imported inside the block
-            for module, attr, value in saved:
-                setattr(module, attr, value)
 
 
 # --------------------------------------------------------------------------------------------

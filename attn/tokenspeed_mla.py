@@ -14,7 +14,7 @@ import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, to_cache_dtype
 from attn.paged import PagedMLABackend
-from attn.sm100_compile import sm_count
+from attn.fake_blackwell import sm_count
 
 MAX_Q_LEN = 8
 

@@ -13,7 +13,7 @@ import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, to_cache_dtype
 from attn.paged import PagedMLABackend
-from attn.sm100_compile import sm_count
+from attn.fake_blackwell import sm_count
 
 QK_NOPE_HEAD_DIM = 128
 

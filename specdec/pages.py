@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from specdec.kv import MLAKVPool, OutOfPagesError
-from specdec.state import BatchHost, last_step_n
+from specdec.state import BatchHost, Request, last_step_n
 
 
 class BatchPages:
@@ -44,6 +44,13 @@ class BatchPages:
                     f"KV pages of the {name} pool at its last step, which has {pool.num_pages - 1}; raise "
                     f"SpecConfig.num_pages or shorten the request"
                 )
+
+    def release(self, req: Request) -> None:
+        """Return a request's rows, and with them its pages, to both pools (those it holds)."""
+        for pool, row in zip(self.pools, (req.target_row, req.draft_row)):
+            if row >= 0:
+                pool.free_request(row)
+        req.target_row = req.draft_row = -1
 
     def take(self, rows: tuple[int, int], prompt_len: int, max_new_tokens: int) -> None:
         """Give a new request (its target and draft rows) its admission pages; OutOfPagesError

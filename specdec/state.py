@@ -109,6 +109,33 @@ class DecodeState:
         return DecodeState(*(t.index_select(0, keep) for t in vars(self).values()))
 
     @staticmethod
+    def empty(batch_size: int, topk: int, hidden_size: int, hidden_dtype: torch.dtype,
+              device: torch.device) -> "DecodeState":
+        """An uninitialised state of ``batch_size`` rows (hidden ``[B, hidden_size]`` hidden_dtype)."""
+        def new(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.empty(batch_size, *shape, dtype=dtype, device=device)
+
+        f32 = torch.float32
+        return DecodeState(root=new(), seq_lens=new(), hidden=new(hidden_size, dtype=hidden_dtype),
+                           cand_probs=new(topk, dtype=f32), cand_ids=new(topk), temperature=new(dtype=f32),
+                           top_p=new(dtype=f32), top_k=new(), seed=new(), counter=new(), limit=new(), eos=new())
+
+    @staticmethod
+    def of(tensors: dict[str, torch.Tensor]) -> "DecodeState":
+        """The state whose fields are ``tensors``' entries of their names (others ignored)."""
+        return DecodeState(**{name: tensors[name] for name in DecodeState.__dataclass_fields__})
+
+    @staticmethod
+    def sampling_tensors(requests: list[Request], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The requests' temperature, top_p (fp32), top_k, seed (int64), each ``[B]`` on ``device``."""
+        return (
+            torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float32, device=device),
+            torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float32, device=device),
+            torch.tensor([r.sampling.top_k for r in requests], dtype=torch.long, device=device),
+            torch.tensor([r.sampling.seed for r in requests], dtype=torch.long, device=device),
+        )
+
+    @staticmethod
     def concat(states: list["DecodeState"]) -> "DecodeState":
         return DecodeState(*(torch.cat(ts) for ts in zip(*(vars(s).values() for s in states))))
 

@@ -183,7 +183,7 @@ class EagleWorker:
                 state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
         except BaseException:
             for req in new:
-                self._release(req)
+                self.pages.release(req)
             raise
         self._next_rid += len(new)
         self._issued.update((id(req), req) for req in new)
@@ -191,7 +191,7 @@ class EagleWorker:
             req.output.append(token)  # the prefill's token is the first output
             if i not in keep:
                 req.finished = True
-                self._release(req)
+                self.pages.release(req)
         if keep:
             self.state = state
             self.requests.extend(new[i] for i in keep)
@@ -210,16 +210,9 @@ class EagleWorker:
                 self.pages.take((req.target_row, req.draft_row), len(prompt), max_new_tokens)
         except BaseException:
             for req in new:
-                self._release(req)
+                self.pages.release(req)
             raise
         return new
-
-    def _release(self, req: Request) -> None:
-        if req.target_row >= 0:
-            self.target_pool.free_request(req.target_row)
-        if req.draft_row >= 0:
-            self.draft_pool.free_request(req.draft_row)
-        req.target_row = req.draft_row = -1
 
     def _prefill_passes(self, new: list[Request]) -> list[list[tuple[Request, int, int]]]:
         """new's prompts in passes of at most max_prefill_tokens tokens (the config's, or fewer
@@ -247,7 +240,7 @@ class EagleWorker:
         done = [pieces[k][0] for k in ending]
         if done:
             last = batch.cu_seqlens_q[1:].long()[ending] - 1
-            params = self._sampling_tensors(done)
+            params = DecodeState.sampling_tensors(done, dev)
             logits = self.target.compute_logits(hidden[last])
             if logits.shape != (len(done), self.target.config.vocab_size):
                 raise ValueError(f"the target's compute_logits returned {tuple(logits.shape)} for {len(done)} rows; "
@@ -280,16 +273,6 @@ class EagleWorker:
         stops = torch.tensor([[len(r.prompt) + r.max_new_tokens - 1 for r in done],
                               [-1 if r.eos_token_id is None else r.eos_token_id for r in done]], device=dev)
         return DecodeState(root, seq_lens, dhidden[dlast], *cand, *params, torch.ones_like(params[3]), *stops.unbind(0))
-
-    def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
-        """temperature, top_p (fp32), top_k, seed (int64), each ``[B]`` on the device."""
-        dev = self.device
-        return (
-            torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32, device=dev),
-            torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32, device=dev),
-            torch.tensor([r.sampling.top_k for r in reqs], dtype=torch.long, device=dev),
-            torch.tensor([r.sampling.seed for r in reqs], dtype=torch.long, device=dev),
-        )
 
     @staticmethod
     def _forward(model: torch.nn.Module, backend, batch: AttnBatch, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
@@ -374,34 +357,19 @@ class EagleWorker:
             return
         for i in rows:
             self.requests[i].finished = True
-            self._release(self.requests[i])
+            self.pages.release(self.requests[i])
         leaving = set(rows)
         self.requests = [r for i, r in enumerate(self.requests) if i not in leaving]
         self.state = state
         self._batch = None
 
     def state_template(self, batch_size: int) -> DecodeState:
-        """An (uninitialised) DecodeState of ``batch_size`` rows: the graph runner's static inputs."""
-        dev, k = self.device, self.config.topk
-        return DecodeState(
-            root=torch.empty(batch_size, dtype=torch.long, device=dev),
-            seq_lens=torch.empty(batch_size, dtype=torch.long, device=dev),
-            hidden=torch.empty(batch_size, self.draft.hidden_size, dtype=next(self.draft.parameters()).dtype,
-                                device=dev),  # the draft's hidden states
-            cand_probs=torch.empty(batch_size, k, dtype=torch.float32, device=dev),
-            cand_ids=torch.empty(batch_size, k, dtype=torch.long, device=dev),
-            temperature=torch.empty(batch_size, dtype=torch.float32, device=dev),
-            top_p=torch.empty(batch_size, dtype=torch.float32, device=dev),
-            top_k=torch.empty(batch_size, dtype=torch.long, device=dev),
-            seed=torch.empty(batch_size, dtype=torch.long, device=dev),
-            counter=torch.empty(batch_size, dtype=torch.long, device=dev),
-            limit=torch.empty(batch_size, dtype=torch.long, device=dev),
-            eos=torch.empty(batch_size, dtype=torch.long, device=dev),
-        )
+        """An (uninitialised) DecodeState of ``batch_size`` rows, hidden states as the draft gives
+        them: the graph runner's static inputs."""
+        return DecodeState.empty(batch_size, self.config.topk, self.draft.hidden_size,
+                                 next(self.draft.parameters()).dtype, self.device)
 
-    @staticmethod
-    def state_from(tensors: dict[str, torch.Tensor]) -> DecodeState:
-        return DecodeState(**{name: tensors[name] for name in DecodeState.__dataclass_fields__})
+    state_from = staticmethod(DecodeState.of)  # the graph runner's static inputs as a DecodeState
 
     def _batch_host(self) -> BatchHost:
         if self._batch is None:

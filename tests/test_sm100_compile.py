@@ -32,16 +32,14 @@ import pytest
 import torch
 
 from attn import sm100_compile
+from attn.fake_blackwell import B200, B300, fake_b200
 from attn.sm100_compile import (
-    B200,
-    B300,
     KernelUnsupportedError,
     KernelVariant,
     compile_cutedsl_decode,
     compile_tokenspeed_decode,
     cutedsl_decode_variant,
     distinct_variants,
-    fake_b200,
     tokenspeed_decode_variant,
 )
 
