@@ -9,12 +9,15 @@ before W_UV). ``attn/`` knows nothing about EAGLE beyond :class:`ForwardMode`.
 from __future__ import annotations
 
 import enum
-import math
-import numbers
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
+
+from attn.values import is_int, is_kv_scale, is_positive_finite
+
+if TYPE_CHECKING:  # (attn.paged imports this module)
+    from attn.paged import PagedMetadata
 
 KV_LORA_RANK = 512
 QK_ROPE_DIM = 64
@@ -22,6 +25,7 @@ KV_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576
 # Cache dtypes by the names backends list (kv_dtypes) and SpecConfig.kv_dtype takes.
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn,
              "fp64": torch.float64}
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 class ForwardMode(enum.Enum):
@@ -33,38 +37,7 @@ class ForwardMode(enum.Enum):
     DRAFT_EXTEND = "draft_extend"  # fixed tokens per request (num_steps + 1), causal
 
 
-_ARANGES: dict[tuple, torch.Tensor] = {}
-
-
-def is_int(value: object) -> bool:
-    """A Python int, not a bool (True reached kernels as a 1-bit argument, or as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def finite_real(value: object) -> bool:
-    """A finite real number (numpy's included), not a bool nor a tensor."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int past fp64
-        return False
-
-
-def positive_finite(value: object) -> bool:
-    """A finite real number > 0: a scale a kernel takes as an argument."""
-    return finite_real(value) and value > 0
-
-
-# An fp8 cache's per-tensor scale: kernels take it as an fp32 argument and writes divide by it in
-# fp32, where 1e-50 is 0 and 1e39 inf (a NaN or all-zero cache). Calibrated scales lie far inside.
-KV_SCALE_RANGE = (2.0**-64, 2.0**64)
-FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def kv_scale_ok(value: object) -> bool:
-    """A kv_scale the cache writes and the kernels can take: a real number in KV_SCALE_RANGE."""
-    return positive_finite(value) and KV_SCALE_RANGE[0] <= value <= KV_SCALE_RANGE[1]
+_ARANGES: dict[tuple, torch.Tensor] = {}  # const_arange's, by (end, device, step, dtype)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -123,7 +96,7 @@ class KVCacheView:
                 raise ValueError(f"KVCacheView: layer {layer}'s kv buffer must be a contiguous [num_pages, "
                                  f"{self.page_size}, {KV_DIM}] tensor, got shape {tuple(buf.shape)} strides {buf.stride()}")
         # Checked here, not first by a kernel: that runs after the pass's cache write.
-        if not kv_scale_ok(self.kv_scale):
+        if not is_kv_scale(self.kv_scale):
             raise ValueError(f"KVCacheView: kv_scale must be a finite positive float in [2**-64, 2**64], "
                              f"got {self.kv_scale!r}")
 
@@ -185,26 +158,61 @@ class LayerSpec:
     sm_scale: float
 
     def __post_init__(self) -> None:
-        if type(self.num_heads) is not int or self.num_heads < 1:
+        if not is_int(self.num_heads) or self.num_heads < 1:
             raise ValueError(f"LayerSpec: num_heads must be an int >= 1, got {self.num_heads!r}")
-        if not positive_finite(self.sm_scale):  # (NaN made every output NaN, in every backend)
+        if not is_positive_finite(self.sm_scale):  # (NaN made every output NaN, in every backend)
             raise ValueError(f"LayerSpec: sm_scale must be a finite positive float, got {self.sm_scale!r}")
 
 
 class AttentionBackend(Protocol):
-    """What the model and the worker call; implemented by :class:`attn.paged.PagedMLABackend`.
+    """The whole backend contract: every attribute and method the registry, the worker, the
+    multi-step draft and the graph runner read. Implemented by :class:`attn.paged.PagedMLABackend`;
+    a kernel family subclasses it, sets these class attributes and overrides only its kernel call
+    (``_run_decode_kernel`` / ``_run_prefill_kernel``, the seam).
 
-    Capabilities are attributes so callers never test a backend's class.
+    Capabilities and constraints are class attributes, so callers never test a backend's class, and
+    the registry (attn.registry.check_*) validates a setup before any kernel library is imported.
     """
 
-    name: str
+    name: str  # the registry's name ("triton_mla"); every refusal names it
+    kernel_family: str  # the workspace it shares (attn.workspace): one buffer per family and device
     needs_cpu_seq_lens: bool  # True: plans from host kv lengths (eager: a sync per pass); False: sync-free
-    supports_tree_mask: bool  # can attend with a custom (topk > 1) tree mask
-    supports_cuda_graph: bool
+    supports_tree_mask: bool  # attends with a custom (topk > 1) tree mask
+    supports_cuda_graph: bool  # its passes can be captured (graphs.runner refuses it otherwise)
+    supports_prefill: bool  # runs EXTEND passes (variable query lengths, causal)
+    supports_draft_extend: bool  # runs DRAFT_EXTEND passes (num_steps + 1 query tokens a request)
+    prefill_fallback: Optional[str]  # registry name of the backend serving the passes it cannot; None: none
+    required_sm: Optional[tuple[int | tuple[int, int], ...]]  # capabilities: majors or (major, minor); None: any
+    page_sizes: Optional[tuple[int, ...]]  # KV page sizes the kernel takes; None: any
+    kv_dtypes: tuple[str, ...]  # cache dtypes it takes, by KV_DTYPES' names, and "auto" (the model's)
+    table_tokens_multiple: int  # block tables (max_context_len tokens wide) span a multiple of this
+    max_decode_q_len: Optional[int]  # query tokens a request its decode kernel takes; None: any
+    compiles_per_q_len: bool  # the decode kernel compiles per q_len: prefill chunks are max_decode_q_len wide
+    max_heads: Optional[int]  # query heads per layer it takes at most; None: any
+    skipped_heads: range  # head counts up to max_heads it refuses all the same
     max_prefill_tokens: Optional[int]  # query tokens a prefill (EXTEND) pass may hold; None: any
+    workspace_bytes: int  # bytes of its family's workspace it needs; 0: none
+    metadata: Optional[PagedMetadata]  # the pass's device metadata (init_forward_metadata); None: not built
 
-    def init_forward_metadata(self, batch: AttnBatch) -> None:
-        """Build per-pass metadata (block tables, scales); call once per forward, before layers."""
+    def __init__(self, kv: KVCacheView, layer: LayerSpec, max_batch_size: int, max_q_len: int,
+                 max_mask_len: int = 0) -> None:
+        """A backend over ``kv`` for passes of at most ``max_batch_size`` requests; ValueError naming
+        the setting to change where the kernel cannot take the heads, page size, dtype or device.
+        max_q_len x max_mask_len size its tree-mask buffer ``[max_batch_size, max_q_len,
+        max_mask_len]`` bool (tree-mask backends only)."""
+
+    @classmethod
+    def runs_on(cls, capability: Optional[tuple[int, int]]) -> bool:
+        """Whether the kernel runs on a GPU of this compute capability (None: no GPU)."""
+
+    @classmethod
+    def required_arch(cls) -> str:
+        """required_sm for a message: "SM10x", "SM90/SM100" and the like."""
+
+    def init_forward_metadata(self, batch: AttnBatch, shared_block_tables: Optional[torch.Tensor] = None) -> None:
+        """Build the pass's metadata (block tables, seq_lens; ``metadata``) on the device; call once
+        per pass, before its layers. shared_block_tables: ``[B, max_pages]`` int32 another backend
+        built over the same requests (the multi-step draft's steps), used as is."""
 
     def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
         """Write ``kv_new`` ``[T, 576]`` into the cache at ``batch.out_cache_loc``, then attend.

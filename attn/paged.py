@@ -15,6 +15,7 @@ import torch
 
 from attn.base import (KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange,
                        to_cache_dtype)
+from attn.values import is_int
 from attn.workspace import get_workspace
 
 
@@ -54,8 +55,9 @@ class GraphBuffers:
 class PagedMLABackend:
     """Paged MLA attention over a shared ``[num_pages, page_size, 576]`` pool per layer.
 
-    Class attributes are the family's capabilities and constraints; the registry validates
-    them before construction, so no kernel library is asked to work on an unsupported setup.
+    Class attributes are the family's capabilities and constraints (each stated in
+    attn.base.AttentionBackend); the registry validates them before construction, so no kernel
+    library is asked to work on an unsupported setup.
     """
 
     name = "paged"
@@ -79,6 +81,7 @@ class PagedMLABackend:
     max_heads: Optional[int] = None  # query heads per layer the kernel takes at most (None: any)
     skipped_heads = range(0)  # head counts under max_heads the kernel refuses all the same
     workspace_bytes = 0
+    metadata: Optional[PagedMetadata] = None  # the pass's, from init_forward_metadata
 
     def __init__(
         self,
@@ -163,7 +166,7 @@ class PagedMLABackend:
         if self._graph_buffers is not None and bs > self._graph_buffers.seq_lens.shape[0]:
             raise ValueError(f"{self.name}: a batch of {bs} is more than the graph buffers hold "
                              f"({self._graph_buffers.seq_lens.shape[0]}); call init_cuda_graph_state with max_bs >= {bs}")
-        if batch.max_kv_len is not None and not (type(batch.max_kv_len) is int and batch.max_kv_len >= 1):
+        if batch.max_kv_len is not None and not (is_int(batch.max_kv_len) and batch.max_kv_len >= 1):
             raise ValueError(f"{self.name}: max_kv_len must be None or an int >= 1, got {batch.max_kv_len!r}")
         if shared_block_tables is not None and (tuple(shared_block_tables.shape) != (bs, self.max_pages)
                                                 or shared_block_tables.dtype != torch.int32):
@@ -240,7 +243,7 @@ class PagedMLABackend:
             raise ValueError(f"{self.name}: the metadata was built for a batch of {self.metadata.seq_lens.shape[0]} "
                              f"requests, this pass has {batch.batch_size}; call init_forward_metadata with its batch")
         heads, tokens = self.layer.num_heads, batch.num_tokens
-        if type(batch.max_q_len) is not int or batch.max_q_len < min(tokens, 1):
+        if not is_int(batch.max_q_len) or batch.max_q_len < min(tokens, 1):
             raise ValueError(f"{self.name}: max_q_len must be an int >= 1 (0 for no tokens), got {batch.max_q_len!r}")
         if q.dim() != 3 or tuple(q.shape[1:]) != (heads, KV_DIM):
             raise ValueError(f"{self.name}: q must be [tokens, {heads}, {KV_DIM}], got {tuple(q.shape)}")
@@ -328,22 +331,15 @@ class PagedMLABackend:
         max_q_len: int,
         max_seq_len: int,
     ) -> torch.Tensor:
-        """Causal attention for ragged prefill. query ``[T, H, 576]`` -> ``[T, H, 512]``.
+        """Causal attention for ragged prefill: query ``[T, H, 576]`` -> ``[T, H, 512]``, no host sync.
 
-        Default: the decode kernel over chunks of ``chunk`` (prefill_chunk_len) query tokens per
-        request: at most max_decode_q_len; always that where the kernel compiles per q_len
-        (tokenspeed-mla: one prefill variant, not one per short prompt; tests/test_sm100_compile.py
-        compiles that width). Chunk j (from the end) of a request of kv length L holds kv positions
-        ``[E - chunk, E)`` and sees kv length E, with E = max(L - j * chunk, chunk): right-aligned
-        at L, the earliest chunk at position 0. So no chunk sees fewer kv rows than its query tokens
-        (the decode kernels assume a kv row at every query position) or more than max(L, chunk),
-        within max_seq_len. Each chunk gathers its ``[B, chunk]`` cells from query (the new tokens
-        at positions no later chunk holds) and scatters its output back; the other cells are
-        padding: they read the last token and write a trash row, and a chunk of them alone sees the
-        first ``chunk`` kv rows, not a long cached prefix. A request shorter than a chunk has its
-        chunk read kv rows past L, hidden from its tokens by the causal mask: they must hold finite
-        values (KVCacheView), as 0 x NaN in softmax x V is NaN. O(B x max(max_q_len, chunk)) rows
-        in all, no host sync.
+        Default: the decode kernel over chunks of prefill_chunk_len query tokens a request (one
+        width where the kernel compiles per q_len: tests/test_sm100_compile.py compiles it). Chunk j
+        (from the end) of a request of kv length L holds kv positions ``[E - chunk, E)`` and sees kv
+        length E = max(L - j * chunk, chunk), so no chunk sees fewer kv rows than its query tokens
+        (the decode kernels assume a kv row at every query position) or more than max(L, chunk). A
+        request shorter than a chunk reads kv rows past L, hidden by the causal mask: they must hold
+        finite values (KVCacheView), as 0 x NaN is NaN. O(B x max(max_q_len, chunk)) rows in all.
         """
         num_tokens, heads = query.shape[:2]
         if num_tokens == 0:
@@ -355,6 +351,10 @@ class PagedMLABackend:
         out = query.new_empty(num_tokens + 1, heads, KV_LORA_RANK)  # the last row is the trash row
         cols = torch.arange(chunk, device=query.device)
         for j in range(-(-max_q_len // chunk)):
+            # A chunk's [B, chunk] cells: the new tokens at positions no later chunk holds, gathered
+            # from query and scattered back; the others are padding, which read the last token and
+            # write the trash row (a chunk of them alone sees the first ``chunk`` kv rows, not a
+            # long cached prefix).
             later = kv_len - j * chunk  # [B]: positions from here on are the later chunks'
             end = later.clamp(min=chunk)
             position = end[:, None] - chunk + cols  # [B, chunk]

@@ -17,12 +17,12 @@ import torch
 from attn.paged import PagedMLABackend
 
 _BACKENDS = {
-    "torch_ref": "attn.torch_ref:TorchRefBackend",
-    "triton_mla": "attn.triton_mla:TritonMLABackend",
-    "flashinfer_mla": "attn.flashinfer_mla:FlashInferMLABackend",
-    "trtllm_mla": "attn.trtllm_mla:TrtllmMLABackend",
-    "cutedsl_mla": "attn.cutedsl_mla:CuteDslMLABackend",
-    "tokenspeed_mla": "attn.tokenspeed_mla:TokenspeedMLABackend",
+    "torch_ref": "attn.backends.torch_ref:TorchRefBackend",
+    "triton_mla": "attn.backends.triton_mla:TritonMLABackend",
+    "flashinfer_mla": "attn.backends.flashinfer_mla:FlashInferMLABackend",
+    "trtllm_mla": "attn.backends.blackwell.trtllm_mla:TrtllmMLABackend",
+    "cutedsl_mla": "attn.backends.blackwell.cutedsl_mla:CuteDslMLABackend",
+    "tokenspeed_mla": "attn.backends.blackwell.tokenspeed_mla:TokenspeedMLABackend",
 }
 
 DEFAULT_BLACKWELL_PAGE_SIZE = 64

@@ -31,7 +31,7 @@ def capture(backend: str, context: int, kv_bounds: bool) -> dict:
     import torch
 
     from benchmarks.spec_step import bench_model
-    from graphs.runner import GRAPH_KINDS, GraphRunner
+    from graphs.runner import GRAPH_KINDS
     from specdec.config import SpecConfig
     from specdec.draft import StandaloneDraft
     from specdec.worker import EagleWorker
@@ -45,7 +45,7 @@ def capture(backend: str, context: int, kv_bounds: bool) -> dict:
     torch.cuda.empty_cache()
     before, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     with torch.inference_mode():
-        runner = GraphRunner(worker, progress=False, kv_bounds=kv_bounds)
+        runner = worker.capture_graphs(progress=False, kv_bounds=kv_bounds)
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()  # what stays reserved: the graphs' pool segments and cuBLAS's workspace

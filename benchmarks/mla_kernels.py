@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from attn.triton_mla_kernel import _launch, kv_plan_bounds, mla_paged_attention, plan_for, plan_min_chunk
-from attn.triton_mla_plan import KernelConfig, TileShape, tile_shape
+from attn.kernels.triton_mla.kernel import _launch, kv_plan_bounds, mla_paged_attention, plan_for, plan_min_chunk
+from attn.kernels.triton_mla.plan import KernelConfig, TileShape, tile_shape
 
 PEAK_FLOPS = 790e12  # bf16 dense, measured on H100/H200 here
 PAGE_SIZE = 64

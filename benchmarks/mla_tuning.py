@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn import triton_mla_wgmma
-from attn.triton_mla_plan import MAX_ROWS, KernelConfig, LaunchPlan, TileShape, launch_config, next_pow2, select_config
+from attn.kernels.triton_mla import wgmma as wgmma_tile
+from attn.kernels.triton_mla.plan import MAX_ROWS, KernelConfig, LaunchPlan, TileShape, launch_config, next_pow2, select_config
 from benchmarks.mla_kernels import (COLUMNS, ROOFLINE_TARGET_TOKENS, TABLE_HEADS, TABLE_Q_LENS, Case, copy_bandwidth,
                                     graph_time_us, graph_times_us, print_row)
 
@@ -90,7 +90,7 @@ def plan_search() -> None:
     for shape in PLAN_SEARCH_SHAPES:
         case = Case(*shape)
         plan, config = case.plan()
-        wgmma = triton_mla_wgmma.supports(case.q, case.kv_pool[0])
+        wgmma = wgmma_tile.supports(case.q, case.kv_pool[0])
         alternatives = alternative_launches(case.heads, case.seq_len, wgmma, plan.num_splits)
         call_lists = [[case.triton_call(r) for r in range(case.rotations)]]
         call_lists += [[case.launch_call(r, splits, alt_config, tile) for r in range(case.rotations)]

@@ -168,7 +168,7 @@ def main() -> None:
 def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
     """Capture every default bucket up to max_bs (three kinds of graph each, joined per step);
     prints time and pool memory."""
-    from graphs.runner import GRAPH_KINDS, GraphRunner
+    from graphs.runner import GRAPH_KINDS
 
     cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
                      max_batch_size=max_bs, max_context_len=128 * ((prompt_len + 256 + 127) // 128))
@@ -176,7 +176,7 @@ def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    runner = GraphRunner(worker, progress=False)
+    runner = worker.capture_graphs(progress=False)
     print(f"# {backend}: captured {len(GRAPH_KINDS) * len(runner.captured)} graphs for buckets {runner.buckets} in "
           f"{runner.capture_seconds:.2f} s, {(torch.cuda.memory_allocated() - before) / 2**20:.0f} MiB", flush=True)
 
@@ -185,14 +185,12 @@ def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
 def run_one(target, backend: str, bs: int, cfg: SpecConfig, prompts: list[list[int]], steps: int) -> dict:
     """One table row: eager and graph steps, capture cost, and target-only decoding (graphed
     when the spec step is)."""
-    from graphs.runner import GraphRunner
-
     eager = time_steps(EagleWorker(target, StandaloneDraft(target), cfg), prompts, steps)
     graph, capture_s, capture_mb = None, float("nan"), float("nan")
     worker = EagleWorker(target, StandaloneDraft(target), cfg)
     try:
         before = torch.cuda.memory_allocated()
-        runner = GraphRunner(worker, [bs], progress=False)
+        runner = worker.capture_graphs([bs], progress=False)
         capture_s, capture_mb = runner.capture_seconds, (torch.cuda.memory_allocated() - before) / 2**20
         graph = time_steps(worker, prompts, steps)
     except ValueError as err:

@@ -1,28 +1,23 @@
-"""CUDA graphs of the spec step, three kinds per batch-size bucket: the multi-step draft (all
-steps + top-k, ending in the verify tree), target verify (+ accept, KV commit, and the copy of
-the emitted tokens and stops to the host) and draft-extend (+ the next state written back).
+"""CUDA graphs of the spec step, three kinds per batch-size bucket: the multi-step draft (ending in
+the verify tree), verify (+ accept, KV commit, the copy of the step's report to the host and its
+event record) and draft-extend (+ the next state written back into the static inputs).
 
-A bucket's step is captured once more per kv bound its backends plan shorter contexts for
-(``worker.kv_len_buckets``: e.g. triton_mla's latency-bound narrow tiles, which a launch planned
-for the longest context would not run); a step replays the graphs of the smallest bound that
-holds its longest request (host lengths), else those planned for the longest context.
+The runner knows the step only through specdec.step.SpecStep's interface: its three stages
+(draft, verify_and_accept, draft_extend), backends, state_template, kv_len_buckets and
+plan_passes_on_host. A bucket's step is captured once more per kv bound its backends plan shorter
+contexts for (e.g. triton_mla's latency-bound narrow tiles); a step replays the graphs of the
+smallest bound holding its longest request, else those planned for the longest context.
 
-Each kind is a graph of its own, replayable alone (``replay(bucket, kind)``). Nothing on the
-host runs between them in a step, so a step launches the three as child nodes of one
-executable graph (graphs.joined): one launch instead of three (measured on the H100 host: 7.8
-against 12.4 us). One set of static input buffers at the largest bucket; every bucket's graphs
-(captured largest first, all in one memory pool) read the first ``bs`` rows. A live batch is
-copied into the first rows of the next bucket up; padded rows point at the pool's padding row
-(all slots in the padding page) with N = 0, so they touch no real KV or output.
-
-The verify graph copies the emitted tokens, accept lengths and stops into the worker's pinned
-host buffer and records the copy's event; the draft-extend graph writes the next state back
-into the static inputs (padded rows kept at N = 0), so the worker's state is a view of the
-static inputs and, while the batch runs unchanged, a step is one launch. Metadata is built on
-the device inside the graphs; backends that plan on the host (``needs_cpu_seq_lens``) are
-planned from the requests' host lengths before each launch. Backends that cannot be captured
-(``supports_cuda_graph = False``) are refused. The step draws its randomness from counter-based
-hashes (specdec.sampling), not a torch generator, whose offsets a joined launch would not advance.
+Each kind is a graph of its own, replayable alone (``replay(bucket, kind)``); a step launches the
+three as child nodes of one executable graph (graphs.joined): one launch. One set of static
+inputs at the largest bucket; every bucket's graphs (captured largest first, in one memory pool)
+read its first ``bs`` rows. A live batch is copied into the first rows of the next bucket up;
+padded rows point at the pool's padding row with N = 0, so they touch no real KV or output.
+While the batch runs unchanged the running state is a view of the static inputs: a step is one
+launch. Backends that plan on the host (``needs_cpu_seq_lens``) are planned from host lengths
+before each launch; those that cannot be captured are refused. Randomness comes from
+counter-based hashes (specdec.sampling), not a torch generator, whose offsets a joined launch
+would not advance.
 """
 
 from __future__ import annotations
@@ -32,18 +27,20 @@ import functools
 import gc
 import sys
 import time
-import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
 import torch
 
+from attn.values import int_list
 from graphs.joined import JoinedGraph
-from specdec.config import int_list
+from specdec.accept import AcceptResult
 from specdec.device import on_device
 from specdec.kv import PADDING_ROW
+from specdec.state import DecodeState
+from specdec.step import SpecStep
 from specdec.tree import VerifyTree
-from specdec.verify import AcceptResult
 
 
 def default_buckets(max_bs: int) -> list[int]:
@@ -89,7 +86,7 @@ class StaticInputs:
         return {name: t[:bs] for name, t in self.tensors.items()}
 
 
-GRAPH_KINDS = ("draft", "verify", "draft_extend")
+GRAPH_KINDS = ("draft", "verify", "draft_extend")  # SpecStep.draft, .verify_and_accept, .draft_extend
 
 
 @dataclass
@@ -103,34 +100,30 @@ class _Captured:
 
 
 class GraphRunner:
-    """Captures ``EagleWorker.spec_pass`` as GRAPH_KINDS graphs per batch-size bucket and kv bound
-    and replays a step as one launch of all three."""
+    """Captures a SpecStep's three stages as GRAPH_KINDS graphs per batch-size bucket and kv bound and
+    replays a step as one launch of all three. Built by ``EagleWorker.capture_graphs``, which
+    holds it and passes it each step's live inputs (run)."""
 
-    def __init__(self, worker, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False, progress: bool = True,
-                 kv_bounds: bool = True) -> None:
+    def __init__(self, step: SpecStep, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False,
+                 progress: bool = True, kv_bounds: bool = True) -> None:
         """batch_sizes: the buckets (default: the config's cuda_graph_batch_sizes, else
         default_buckets), at most max_batch_size; below it only with eager_fallback, which runs
         larger batches eagerly. kv_bounds: also capture each bucket's step per kv bound
-        (worker.kv_len_buckets); False: only the longest context's graphs (fewer captures, and
-        the long plans for every batch)."""
+        (step.kv_len_buckets); False: only the longest context's graphs."""
         for name, flag in (("eager_fallback", eager_fallback), ("progress", progress), ("kv_bounds", kv_bounds)):
             if not isinstance(flag, bool):  # "no" or [64] read as True
                 raise ValueError(f"GraphRunner's {name} must be True or False, got {flag!r}")
-        # The worker owns the runner (worker.graph_runner): a weak reference back, so dropping the
-        # worker frees the graphs at once, never in a garbage collection during another capture.
-        if worker.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {worker.device}")
+        if step.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {step.device}")
         # That allocator captures allocations as graph nodes, which a child graph (joined.py) must
         # not hold; Triton also refused its pointers at the first capture. (A CPU-only torch, which
-        # tests give a stand-in CUDA worker, has no allocator to ask.)
+        # tests give a stand-in CUDA step, has no allocator to ask.)
         if torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
             raise ValueError("GraphRunner needs PyTorch's native CUDA allocator, not cudaMallocAsync: drop "
                              "backend:cudaMallocAsync from PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF")
-        # The captures' warm-ups run the verify stage, whose copy to the host the step in flight awaits.
-        worker.check_idle("GraphRunner")
-        self.worker = weakref.proxy(worker)
-        self.device = worker.device
-        cfg = worker.config
+        self.step = step
+        self.device = step.device
+        cfg = step.config
         sizes = [] if batch_sizes is None else int_list(batch_sizes, "batch_sizes must be a list of ints")
         if batch_sizes is not None and not sizes:
             raise ValueError("batch_sizes is empty: give at least one bucket, or None for the defaults")
@@ -141,7 +134,7 @@ class GraphRunner:
             raise ValueError(f"the largest CUDA-graph batch size ({self.buckets[-1]}) is below max_batch_size "
                              f"({cfg.max_batch_size}): larger batches would have no graph; add a bucket of "
                              f"{cfg.max_batch_size} or pass eager_fallback=True")
-        backends = [worker.verify_backend, worker.draft_extend_backend, *worker.draft_backend.steps]
+        backends = step.backends
         unsupported = sorted({b.name for b in backends if not b.supports_cuda_graph})
         if unsupported:
             raise ValueError(f"backends {unsupported} cannot be captured in CUDA graphs; "
@@ -152,37 +145,36 @@ class GraphRunner:
         for backend in backends:
             backend.init_cuda_graph_state(cfg.max_batch_size, cfg.max_batch_size * cfg.num_draft_tokens)
         max_bs = self.buckets[-1]
-        st = worker.state_template(max_bs)
+        st = step.state_template(max_bs)
         self.static = StaticInputs({
-            "target_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=worker.device),
-            "draft_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=worker.device),
+            "target_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=self.device),
+            "draft_rows": torch.full((max_bs,), PADDING_ROW, dtype=torch.long, device=self.device),
             **{name: t.zero_() for name, t in vars(st).items()},
         })
         # Per bucket: the bounds on N its steps are captured for, ascending; None: the longest context.
-        self.kv_bounds = {bs: [*(worker.kv_len_buckets(bs) if kv_bounds else []), None] for bs in self.buckets}
+        self.kv_bounds = {bs: [*(step.kv_len_buckets(bs) if kv_bounds else []), None] for bs in self.buckets}
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[int, Optional[int]], _Captured] = {}  # (bucket, kv bound)
         self._views: dict[tuple, tuple] = {}  # (batch size, bucket, kv bound) -> (result, state, tree) views
         # (state fields, target_rows, draft_rows) the static inputs hold: the last replay's views
         self._resident: Optional[tuple] = None
         self.capture_seconds = self._capture_all(progress)
-        worker.graph_runner = self
 
-    def _stages(self, inputs: dict[str, torch.Tensor]):
-        """The graph bodies over static inputs, one per GRAPH_KINDS entry, and the dict their
-        outputs go to: the spec pass in three parts, then the next state written back."""
-        w, out = self.worker, {}
-        st = w.state_from(inputs)
+    def _stages(self, inputs: dict[str, torch.Tensor], kv_bound: Optional[int]):
+        """The graph bodies over static inputs, one per GRAPH_KINDS entry (the step's stages),
+        and the dict their outputs go to; the last writes the next state back into the inputs."""
+        step, out = self.step, {}
+        st = DecodeState.of(inputs)
         target_rows, draft_rows = inputs["target_rows"], inputs["draft_rows"]
 
         def draft() -> None:
-            out["tree"] = w.draft_tree(st, draft_rows)
+            out["tree"] = step.draft(st, draft_rows, kv_bound)
 
         def verify() -> None:
-            out["result"], out["hidden"] = w.verify_and_accept(st, out["tree"], target_rows)
+            out["result"], out["hidden"] = step.verify_and_accept(st, out["tree"], target_rows, kv_bound)
 
         def draft_extend() -> None:
-            new = w.draft_extend(st, out["result"], out["hidden"], draft_rows)
+            new = step.draft_extend(st, out["result"], out["hidden"], draft_rows, kv_bound)
             new.seq_lens = torch.where(target_rows == PADDING_ROW, 0, new.seq_lens)  # padding stays in bounds
             pairs = [(old, t) for old, t in zip(vars(st).values(), vars(new).values()) if t is not old]
             torch._foreach_copy_(*map(list, zip(*pairs)))
@@ -196,28 +188,25 @@ class GraphRunner:
         start = time.perf_counter()
         # Largest first (later graphs reuse its pool memory), the longest context's bound first.
         keys = [(bs, bound) for bs in reversed(self.buckets) for bound in reversed(self.kv_bounds[bs])]
-        stream = capture_stream(self.worker.device)
-        try:
-            for i, (bs, bound) in enumerate(keys):
-                if progress:
-                    print(f"\rcapturing CUDA graphs: batch size {bs:4d}, kv bound {bound or 'none':>6} "
-                          f"({i + 1}/{len(keys)})", end="", file=sys.stderr)
-                self.worker.kv_len_bound = bound  # the passes' AttnBatch.max_kv_len, in the captured launches
-                self.captured[bs, bound] = self._capture(bs, stream)
-        finally:
-            self.worker.kv_len_bound = None
+        stream = capture_stream(self.device)
+        for i, (bs, bound) in enumerate(keys):
+            if progress:
+                print(f"\rcapturing CUDA graphs: batch size {bs:4d}, kv bound {bound or 'none':>6} "
+                      f"({i + 1}/{len(keys)})", end="", file=sys.stderr)
+            self.captured[bs, bound] = self._capture(bs, bound, stream)
         torch.cuda.synchronize()
         if progress:
             print(file=sys.stderr)
         return time.perf_counter() - start
 
-    def _capture(self, bs: int, stream: torch.cuda.Stream) -> _Captured:
-        """The step over the first ``bs`` rows of the static inputs, as GRAPH_KINDS graphs captured
-        on the side stream ``stream``, after running it once there (lazy inits, autotuning, JIT)."""
+    def _capture(self, bs: int, kv_bound: Optional[int], stream: torch.cuda.Stream) -> _Captured:
+        """The step over the first ``bs`` rows of the static inputs, its passes planned for
+        ``kv_bound``, as GRAPH_KINDS graphs captured on the side stream ``stream``, after running it
+        once there (lazy inits, autotuning, JIT)."""
         inputs = self.static.view(bs)
-        stages, outputs = self._stages(inputs)
+        stages, outputs = self._stages(inputs, kv_bound)
         if self.host_planned:
-            self.worker.plan_passes_on_host(inputs["seq_lens"].int().cpu())
+            self.step.plan_passes_on_host(inputs["seq_lens"].int().cpu())
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for body in stages.values():
@@ -230,19 +219,20 @@ class GraphRunner:
                 body()
         return _Captured(graphs, JoinedGraph(list(graphs.values()), self.device), outputs)
 
-    def kv_bound(self, bucket: int) -> Optional[int]:
-        """The kv bound whose graphs serve the running batch in ``bucket``: the smallest that holds
-        its longest request (host lengths), else None (the longest context's)."""
+    def kv_bound(self, bucket: int, longest: int) -> Optional[int]:
+        """The kv bound whose graphs serve a batch in ``bucket`` whose longest request has N =
+        ``longest``: the smallest bound that holds it, else None (the longest context's)."""
         bounds = self.kv_bounds[bucket]
         if len(bounds) == 1:
             return None
-        longest = self.worker.longest_seq_len()
         return next(bound for bound in bounds if bound is None or longest <= bound)
 
-    def run(self, state, target_rows: torch.Tensor, draft_rows: torch.Tensor) -> Optional[tuple[AcceptResult, object, VerifyTree]]:
-        """Replay the step for a live batch (state: a DecodeState, rows ``[b]`` int64); returns
-        (result, next state, tree) as views of graph memory, valid until the next replay, or None
-        when eager_fallback allows an oversized batch."""
+    def run(self, state: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor,
+            seq_lens: np.ndarray) -> Optional[tuple[AcceptResult, DecodeState, VerifyTree]]:
+        """Replay the step for a live batch (state: a DecodeState, rows ``[b]`` int64, seq_lens:
+        the requests' N ``[b]`` int64 on the host); returns (result, next state, tree) as views of
+        graph memory, valid until the next replay, or None when eager_fallback allows an
+        oversized batch."""
         b = target_rows.shape[0]
         bucket = pick_bucket(self.buckets, b)
         if bucket is None:  # above the largest bucket: only with eager_fallback (checked at construction)
@@ -252,8 +242,10 @@ class GraphRunner:
         if self._resident is None or any(now is not then for now, then in zip(inputs, self._resident)):
             self.static.fill({"target_rows": target_rows, "draft_rows": draft_rows, **vars(state)}, bucket)
         if self.host_planned:
-            self.worker.plan_passes_on_host(self.worker.host_seq_lens(bucket))
-        bound = self.kv_bound(bucket)
+            padded = torch.zeros(bucket, dtype=torch.int32)
+            padded[:b] = torch.from_numpy(seq_lens)
+            self.step.plan_passes_on_host(padded)
+        bound = self.kv_bound(bucket, int(seq_lens.max())) if len(self.kv_bounds[bucket]) > 1 else None
         self.replay(bucket, kv_bound=bound)
         result, state, tree = self._views.get((b, bucket, bound)) or self._make_views(b, bucket, bound)
         # New objects each step: a caller's edit of one stays its own, and finish_step tells a
@@ -274,7 +266,7 @@ class GraphRunner:
     def _make_views(self, b: int, bucket: int, kv_bound: Optional[int]) -> tuple:
         out, rows = self.captured[bucket, kv_bound].outputs, slice(0, b)
         views = (AcceptResult(*(t[rows] for t in vars(out["result"]).values())),
-                 self.worker.state_from(self.static.view(b)),
+                 DecodeState.of(self.static.view(b)),
                  VerifyTree(*(t[rows] for t in vars(out["tree"]).values())))
         self._views[b, bucket, kv_bound] = views
         return views

@@ -1,4 +1,5 @@
-"""Building the AttnBatch of each pass from request rows and kv indices, on the device."""
+"""Building the AttnBatch of each pass from request rows and kv indices, on the device, and
+running a pass over it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def uniform_batch(
     out_cache_loc = req_to_token[rows[:, None], first_index[:, None] + offsets[None, :]].flatten().long()
     cu = const_arange((rows.shape[0] + 1) * q_len, device, q_len, torch.int32)
     return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask, max_kv_len)
+
+
+def run_pass(model: torch.nn.Module, backend, batch: AttnBatch, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
+    """Build the pass's attention metadata, then run ``model(*inputs, backend, batch)``."""
+    backend.init_forward_metadata(batch)
+    return model(*inputs, backend, batch)
 
 
 def extend_batch(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int],

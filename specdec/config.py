@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import copy
-import numbers
-import operator
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
-import torch
 
-from attn.base import KV_DTYPES, kv_scale_ok
+from attn.base import KV_DTYPES
 from attn.registry import (
     BackendChoice, backend_names, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
     resolve_backends,
 )
+from attn.values import int_list, is_kv_scale, require_int
 from specdec.batch import MAX_PREFILL_TOKENS
 
 
@@ -25,48 +22,6 @@ class ConfigError(ValueError):
 
 
 DRAFT_MODES = ("eagle", "standalone")
-
-
-def as_int(value: object) -> Optional[int]:
-    """value as a Python int where it is an integer (numpy integers and one-value integer tensors
-    included, bools of any kind not), else None. Python ints because numpy ones would wrap in size
-    products and lack int methods."""
-    if isinstance(value, bool) or getattr(value, "dtype", None) in (torch.bool, np.bool_):
-        return None
-    try:
-        return int(operator.index(value))
-    except TypeError:
-        return None
-
-
-def is_real(value: object) -> bool:
-    """value is a real number (numpy's included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def require_int(value: object, rule: str, error: type[ValueError] = ValueError) -> int:
-    """value as an int (as_int); else ``error`` stating ``rule``."""
-    checked = as_int(value)
-    if checked is None:
-        raise error(f"{rule}, got {value!r}")
-    return checked
-
-
-def item_list(value: object, rule: str, error: type[ValueError] = ValueError) -> list:
-    """value, an iterable (a numpy array or a tensor of one dim or more included), as a list; else
-    (None, a number, a string, a dict, one object where a list of them belongs) ``error`` stating
-    ``rule``."""
-    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable) or getattr(value, "ndim", 1) == 0:
-        raise error(f"{rule}, got {type(value).__name__} {value!r}"[:300])
-    return list(value)
-
-
-def int_list(value: object, rule: str, error: type[ValueError] = ValueError) -> list[int]:
-    """value, an iterable of ints (a numpy array included), as a list of Python ints (as_int); else
-    ``error`` stating ``rule``."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    return [require_int(item, rule, error) for item in item_list(value, rule, error)]
 
 
 @dataclass
@@ -211,7 +166,7 @@ class SpecConfig:
             if not (optional and value is None) and (not isinstance(value, str) or value not in backend_names()):
                 raise ConfigError(f"{name} must be one of {backend_names()}{' or None' if optional else ''}, "
                                   f"got {value!r}")
-        if not kv_scale_ok(self.kv_scale):
+        if not is_kv_scale(self.kv_scale):
             raise ConfigError(f"kv_scale must be a finite number in [2**-64, 2**64], got {self.kv_scale!r}")
         self.kv_scale = float(self.kv_scale)
         if self.kv_scale != 1.0 and self.kv_dtype != "fp8_e4m3":

@@ -17,18 +17,7 @@ from typing import Optional
 import torch
 
 from attn.base import const_arange
-
-
-def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """fp32 logits ``[N, V]`` at each row's temperature ``[N]`` (0: left as they are, greedy),
-    shifted by the row maximum first, so a tiny temperature sends the rest to -inf and never
-    the maximum to inf. Non-finite logits (a 16-bit head that overflowed): NaN counts as -inf, a
-    row with +inf keeps only its +inf tokens (equally likely), a row of nothing finite all its
-    tokens; shifting them made the row NaN, which sampled the last token id."""
-    logits = logits.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    top = logits.amax(-1, keepdim=True)
-    shifted = torch.where(top.isfinite(), logits - top, torch.where(logits == top, 0.0, float("-inf")))
-    return shifted / torch.where(temperature > 0, temperature, 1.0)[:, None]
+from specdec.sampling import tempered
 
 
 def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

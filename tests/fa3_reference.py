@@ -1,4 +1,4 @@
-"""The FlashInfer MLA schedule of attn.fa3_plan in plain torch ops: the reference its Triton kernel
+"""The FlashInfer MLA schedule of attn.kernels.fa3_plan in plain torch ops: the reference its Triton kernel
 is checked against (tests/test_fa3_plan.py), written from scheduler.cuh's MLAPlan with whole-
 tensor ops (static shapes) instead of the kernel's per-tile loops."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attn.fa3_plan import Fa3Geometry, ceil_div
+from attn.kernels.fa3_plan import Fa3Geometry, ceil_div
 
 
 @dataclass

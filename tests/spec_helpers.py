@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attn.reference import paged_mla_reference
+from attn.backends.torch_ref import paged_mla_reference
 from attn.registry import get_backend_class
 from specdec.baseline import greedy_generate
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attn.backends.blackwell.cutedsl_mla import CuteDslMLABackend
+from attn.backends.blackwell.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
+from attn.backends.blackwell.trtllm_mla import TrtllmMLABackend
+from attn.backends.torch_ref import TorchRefBackend
 from attn.base import KV_DTYPES, AttnBatch, ForwardMode, LayerSpec
-from attn.cutedsl_mla import CuteDslMLABackend
 from attn.paged import PagedMLABackend, RaggedKernelBackend
-from attn.tokenspeed_mla import TokenspeedMLABackend, tokenspeed_workspace_bytes
-from attn.torch_ref import TorchRefBackend
-from attn.trtllm_mla import TrtllmMLABackend
 from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.kv import MLAKVPool

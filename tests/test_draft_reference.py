@@ -14,8 +14,8 @@ import functools
 import pytest
 import torch
 
+from attn.backends.torch_ref import TorchRefBackend
 from attn.base import AttnBatch, ForwardMode
-from attn.torch_ref import TorchRefBackend
 from spec_helpers import prompts
 from specdec.baseline import sequence_logits
 from specdec.config import SpecConfig

@@ -1,4 +1,4 @@
-"""The device-built FlashInfer MLA schedule (attn.fa3_plan), checked on the CPU by running it.
+"""The device-built FlashInfer MLA schedule (attn.kernels.fa3_plan), checked on the CPU by running it.
 
 ``run_schedule`` plays the attention kernel's contract in plain torch (mla_hopper.cuh: each
 cluster's work items, a query tile over a kv range under the causal bound, partial outputs for
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attn.fa3_plan import MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, ceil_div, schedule_layout
+from attn.kernels.fa3_plan import MAX_WORKS, MERGE_FIELDS, PLAN_INFO_FIELDS, WORK_FIELDS, Fa3Geometry, ceil_div, schedule_layout
 from fa3_reference import build_schedule
 from interpreted import run_interpreted
 
@@ -237,7 +237,7 @@ def test_reference_schedule_is_flashinfers_mlaplan(mlaplan, bs, q_len, heads, sm
 _INTERPRETED = """
 import torch
 
-from attn.fa3_plan import Fa3Geometry, schedule_layout, write_schedule
+from attn.kernels.fa3_plan import Fa3Geometry, schedule_layout, write_schedule
 from fa3_reference import build_schedule
 from test_fa3_plan import BALANCE_CASES, CASES, fake_plan_info
 

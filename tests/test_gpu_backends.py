@@ -116,7 +116,7 @@ def test_flashinfer_schedule_compiles_once_per_power_of_two_of_requests(monkeypa
 @pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("lens", [(37, 300, 1000), (16000, 5), tuple(range(70, 64 * 330, 330))])
 def test_flashinfer_device_schedule_equals_its_host_plan(heads, q_len, lens):
-    """The schedule built on the device (attn.fa3_plan) gives FlashInfer's kernel the same
+    """The schedule built on the device (attn.kernels.fa3_plan) gives FlashInfer's kernel the same
     result, bitwise, as FlashInfer's own host plan: short, split (16k) and 64-request batches."""
     from flashinfer.mla import MLAPlanMetadata
 

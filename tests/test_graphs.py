@@ -9,17 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from attn import triton_mla_wgmma
-from attn.triton_mla_plan import narrow_plan_limit
+from attn.kernels.triton_mla import wgmma as wgmma_tile
+from attn.kernels.triton_mla.plan import narrow_plan_limit
 from graphs.runner import GRAPH_KINDS, GraphRunner, StaticInputs, default_buckets, pick_bucket
 from specdec.baseline import GreedyDecoder, greedy_generate
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.models import DeepseekV3ForCausalLM
 from specdec.sampling import SamplingParams
+from specdec.state import DecodeState
 from specdec.kv import PADDING_ROW
 from specdec.worker import EagleWorker
 from spec_helpers import VOCAB, make_models, prompts, reference, run_to_completion, tiny_config
@@ -37,7 +39,7 @@ def test_a_cpu_worker_is_refused():
     target, mtp = make_models()
     worker = EagleWorker(target, mtp, SpecConfig(max_batch_size=2, max_context_len=64))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the worker runs on cpu"):
-        GraphRunner(worker)
+        worker.capture_graphs()
 
 
 def test_static_inputs_pad_rows_harmlessly():
@@ -49,25 +51,20 @@ def test_static_inputs_pad_rows_harmlessly():
     assert [t.shape[0] for t in static.view(4).values()] == [4, 4, 4]
 
 
-def fake_worker(capturable: bool, config: SpecConfig):
+def fake_step(capturable: bool, config: SpecConfig):
     """Only what the runner inspects before capturing."""
-    class FakeWorker:
+    class FakeStep:
         device = torch.device("cuda")
-        verify_backend = type("B", (), {"name": "some_mla", "supports_cuda_graph": capturable})()
-        draft_extend_backend = verify_backend
-        draft_backend = type("M", (), {"steps": []})()
+        backends = [type("B", (), {"name": "some_mla", "supports_cuda_graph": capturable})()]
 
-        def check_idle(self, call):
-            pass
-
-    worker = FakeWorker()
-    worker.config = config
-    return worker
+    step = FakeStep()
+    step.config = config
+    return step
 
 
 def test_uncapturable_backend_refused():
     with pytest.raises(ValueError, match="some_mla.*cannot be captured"):
-        GraphRunner(fake_worker(False, SpecConfig()))
+        GraphRunner(fake_step(False, SpecConfig()))
 
 
 @pytest.mark.parametrize("batch_sizes, message", [
@@ -79,14 +76,14 @@ def test_uncapturable_backend_refused():
 def test_buckets_refused_before_any_capture(batch_sizes, message):
     """Buckets the runner cannot serve are refused up front, naming what to change."""
     with pytest.raises(ValueError, match=message):
-        GraphRunner(fake_worker(True, SpecConfig(max_batch_size=4)), batch_sizes=batch_sizes)
+        GraphRunner(fake_step(True, SpecConfig(max_batch_size=4)), batch_sizes=batch_sizes)
 
 
 @pytest.mark.parametrize("flag, value", [("eager_fallback", "no"), ("kv_bounds", [64]), ("progress", 1)])
 def test_flags_must_be_bools(flag, value):
     """A truthy stand-in ("no", a list of bounds) was taken as True."""
     with pytest.raises(ValueError, match=re.escape(f"GraphRunner's {flag} must be True or False, got {value!r}")):
-        GraphRunner(fake_worker(True, SpecConfig(max_batch_size=4)), [1, 2, 4], **{flag: value})
+        GraphRunner(fake_step(True, SpecConfig(max_batch_size=4)), [1, 2, 4], **{flag: value})
 
 
 @pytest.mark.parametrize("topk,ndt,mode", [(1, None, "eagle"), (2, 6, "eagle"), (3, 8, "standalone")])
@@ -106,14 +103,14 @@ def test_host_plans_match_the_device_passes(topk, ndt, mode):
         b.init_forward_metadata_replay_cuda_graph = lambda bs, lens, q, b=b: planned.__setitem__(id(b), (lens.tolist(), q))
         b.init_forward_metadata = lambda batch, shared_block_tables=None, b=b, f=b.init_forward_metadata: (
             seen.__setitem__(id(b), (batch.seq_lens.tolist(), batch.max_q_len)), f(batch, shared_block_tables))[1]
-    worker._reserve_pages()
-    worker.plan_passes_on_host(worker.host_seq_lens(3))
-    worker.spec_pass(*worker.step_inputs())
+    inputs = worker.step_inputs()
+    worker.spec_step.plan_passes_on_host(torch.tensor([r.seq_len for r in worker.requests], dtype=torch.int32))
+    worker.spec_step.run(*inputs)
     assert len(planned) == len(backends) and planned == seen
 
 
 def test_a_kv_bound_reaches_every_pass_as_its_own_bound():
-    """Under worker.kv_len_bound (a bound on N), each pass's AttnBatch.max_kv_len is the bound plus
+    """Under a kv bound (a bound on N), each pass's AttnBatch.max_kv_len is the bound plus
     the pass's extra kv rows (pass_shapes), which holds its seq_lens, and its backend plans for it;
     kv_len_buckets turns the backends' kv_len_bounds into bounds on N."""
     target, mtp = make_models("cpu", torch.float32)
@@ -121,33 +118,31 @@ def test_a_kv_bound_reaches_every_pass_as_its_own_bound():
     worker = EagleWorker(target, mtp, cfg)
     worker.add_requests(prompts(3, seed=4), 30)
     worker.step()
-    shapes = worker.pass_shapes()
+    step = worker.spec_step
+    shapes = step.pass_shapes()
     assert len(shapes) == cfg.num_steps + 1 and all(b.kv_len_bounds(4, q) == () for b, _, q in shapes)
-    assert worker.kv_len_buckets(4) == []
-    bound, seen = worker.longest_seq_len() + 5, []
+    assert step.kv_len_buckets(4) == []
+    bound, seen = max(r.seq_len for r in worker.requests) + 5, []
     for backend, _, _ in shapes:
         backend.init_forward_metadata = lambda batch, shared_block_tables=None, b=backend, f=backend.init_forward_metadata: (
             f(batch, shared_block_tables), seen.append((id(b), batch.max_kv_len, max(batch.seq_lens.tolist()),
                                                         b.metadata.max_seq_len)))[0]
-    worker.kv_len_bound = bound
-    worker._reserve_pages()
-    worker.spec_pass(*worker.step_inputs())
+    step.run(*worker.step_inputs(), kv_bound=bound)
     expected = [(id(b), bound + extra) for b, extra, _ in shapes]
     assert [(b, limit) for b, limit, _, _ in seen] == expected
     assert all(longest <= limit == planned for _, limit, longest, planned in seen)
     worker.verify_backend.kv_len_bounds = lambda bs, q_len: (100, 300) if (bs, q_len) == (4, 6) else ()
     worker.draft_extend_backend.kv_len_bounds = lambda bs, q_len: (3,)  # no N fits: kv rows past N alone are 4
-    assert worker.kv_len_buckets(4) == [94, 294] and worker.kv_len_buckets(2) == []
-    for step in worker.draft_backend.steps:  # 97 - 2 and 97 - 4 rows: within KV_BOUND_GAP of 94, kept once
-        step.kv_len_bounds = lambda bs, q_len: (97,)
-    assert worker.kv_len_buckets(4) == [93, 294]
+    assert step.kv_len_buckets(4) == [94, 294] and step.kv_len_buckets(2) == []
+    for draft_step in worker.draft_backend.steps:  # 97 - 2 and 97 - 4 rows: within KV_BOUND_GAP of 94, kept once
+        draft_step.kv_len_bounds = lambda bs, q_len: (97,)
+    assert step.kv_len_buckets(4) == [93, 294]
 
 
 def test_a_step_replays_the_smallest_kv_bound_holding_its_longest_request():
     runner = type("R", (), {"kv_bounds": {4: [94, 294, None], 1: [None]}})()
     for longest, bound in ((10, 94), (94, 94), (95, 294), (294, 294), (295, None)):
-        runner.worker = type("W", (), {"longest_seq_len": lambda self, n=longest: n})()
-        assert GraphRunner.kv_bound(runner, 4) == bound and GraphRunner.kv_bound(runner, 1) is None
+        assert GraphRunner.kv_bound(runner, 4, longest) == bound and GraphRunner.kv_bound(runner, 1, longest) is None
 
 
 GPU_BACKENDS = ["torch_ref", "triton_mla", "flashinfer_mla"]
@@ -159,6 +154,11 @@ def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4, device="cuda", 
     cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16",
                      page_size=16, max_batch_size=max_bs, max_context_len=256, draft_mode=draft_mode, **config)
     return target, EagleWorker(target, draft, cfg)
+
+
+def host_seq_lens(worker) -> np.ndarray:
+    """The running requests' N ``[b]`` int64, as the worker hands them to GraphRunner.run."""
+    return np.array([r.seq_len for r in worker.requests], dtype=np.int64)
 
 
 def _pad(live: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
@@ -175,18 +175,17 @@ def test_a_replaced_state_field_reaches_the_graphs():
     of that state replaced by another tensor is copied (the tree's root is the new token), and the
     next step's state is the graph's again: a batch change after it stays lossless."""
     target, worker = gpu_worker("triton_mla")
-    runner = GraphRunner(worker, [1, 2, 4], progress=False)
+    runner = worker.capture_graphs([1, 2, 4], progress=False)
     worker.add_requests(prompts(3, seed=3), 20)
     worker.step()
-    worker._reserve_pages()
     st, trows, drows = worker.step_inputs()
     assert all(a is b for a, b in zip((*vars(st).values(), trows, drows), runner._resident, strict=True))
     st.root = (st.root + 1) % target.config.vocab_size
-    _, _, tree = runner.run(st, trows, drows)
+    _, _, tree = runner.run(st, trows, drows, host_seq_lens(worker))
     assert torch.equal(tree.tokens[:, 0], st.root)
 
     target, worker = gpu_worker("triton_mla")
-    GraphRunner(worker, [1, 2, 4], progress=False)
+    worker.capture_graphs([1, 2, 4], progress=False)
     group = prompts(3, seed=3)
     reqs = worker.add_requests(group, 20)
     worker.step()
@@ -210,28 +209,27 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch, joined):
     next state (draft-extend)."""
     _skip_trees_without_masks(backend, topk)
     target, worker = gpu_worker(backend, topk=topk, ndt=ndt)
-    runner = GraphRunner(worker, [1, 2, 4], progress=False)
+    runner = worker.capture_graphs([1, 2, 4], progress=False)
     worker.add_requests(prompts(batch, seed=batch), 20)
     for _ in range(2):  # a couple of steps so states differ per request
         worker.step()
-    worker._reserve_pages()
     st, trows, drows = worker.step_inputs()
     live = {"target_rows": trows, "draft_rows": drows, **vars(st)}
     padded = _pad(live, 4)
     if runner.host_planned:
-        worker.plan_passes_on_host(worker.host_seq_lens(4))
-    result, state, tree = worker.spec_pass(worker.state_from(padded), padded["target_rows"], padded["draft_rows"])
+        worker.spec_step.plan_passes_on_host(padded["seq_lens"].int().cpu())
+    result, state, tree = worker.spec_step.run(DecodeState.of(padded), padded["target_rows"], padded["draft_rows"])
     expected = {kind: [t[:batch].clone() for t in vars(part).values()]
                 for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
     if joined:
-        result, state, tree = runner.run(st, trows, drows)
+        result, state, tree = runner.run(st, trows, drows, host_seq_lens(worker))
         got = {kind: list(vars(part).values()) for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
     else:
         runner.static.fill(live, 4)
         outputs, got = runner.captured[4, None].outputs, {}
         for kind in GRAPH_KINDS:
             runner.replay(4, kind)
-            part = {"draft": outputs["tree"], "verify": outputs["result"], "draft_extend": worker.state_from(runner.static.view(4))}[kind]
+            part = {"draft": outputs["tree"], "verify": outputs["result"], "draft_extend": DecodeState.of(runner.static.view(4))}[kind]
             got[kind] = [t[:batch].clone() for t in vars(part).values()]
     for kind in GRAPH_KINDS:
         assert len(got[kind]) == len(expected[kind])
@@ -245,7 +243,7 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch, joined):
 def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
     _skip_trees_without_masks(backend, topk)
     target, worker = gpu_worker(backend, topk=topk, ndt=ndt, max_bs=6)
-    GraphRunner(worker, [1, 2, 4, 6], progress=False)
+    worker.capture_graphs([1, 2, 4, 6], progress=False)
     groups = [(prompts(2, seed=1), 40), (prompts(3, seed=2), 25), (prompts(1, seed=3), 30)]
     outputs, _ = run_to_completion(worker, groups, join_every=5)
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
@@ -271,27 +269,25 @@ def test_graphed_target_only_decoding_equals_eager(backend):
 
 @pytest.mark.gpu
 def test_runner_misuse_is_refused_and_results_are_the_steps_own():
-    """From a review: a runner built while a step was in flight ran its captures' warm-ups into
+    """A runner built while a step was in flight ran its captures' warm-ups into
     that step's copy to the host (its requests lost the step's tokens); each replay returned the
     same result object, so finish_step took a stale one; numpy buckets were refused or passed on
     as numpy ints; a standalone draft narrower than the target could not be captured."""
-    import numpy as np
-
     target, worker = gpu_worker("triton_mla")
     group = prompts(3, seed=2)
     reqs = worker.add_requests(group, 16)
     in_flight = worker.launch_step()
-    with pytest.raises(RuntimeError, match="GraphRunner while a step is in flight"):
-        GraphRunner(worker, [1, 2, 4], progress=False)
+    with pytest.raises(RuntimeError, match="capture_graphs while a step is in flight"):
+        worker.capture_graphs([1, 2, 4], progress=False)
     worker.finish_step(in_flight)
     with pytest.raises(ValueError, match="batch_sizes is empty"):  # it fell back to the default buckets
-        GraphRunner(worker, [], progress=False)
+        worker.capture_graphs([], progress=False)
     # Under cudaMallocAsync, Triton refused the captures' pointers (and child graphs refuse allocations).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
         with pytest.raises(ValueError, match="native CUDA allocator, not cudaMallocAsync"):
-            GraphRunner(worker, [1, 2, 4], progress=False)
-    runner = GraphRunner(worker, np.array([1, 2, 4]), progress=False)
+            worker.capture_graphs([1, 2, 4], progress=False)
+    runner = worker.capture_graphs(np.array([1, 2, 4]), progress=False)
     assert runner.buckets == [1, 2, 4] and all(type(b) is int for b in runner.buckets)
     first = worker.launch_step()
     worker.finish_step(first)
@@ -309,7 +305,7 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
     cfg = SpecConfig(num_steps=3, draft_mode="standalone", attention_backend="triton_mla", kv_dtype="bf16",
                      page_size=16, max_batch_size=4, max_context_len=256)
     worker = EagleWorker(target, StandaloneDraft(narrow), cfg)
-    GraphRunner(worker, [1, 2, 4], progress=False)
+    worker.capture_graphs([1, 2, 4], progress=False)
     groups = [(prompts(3, seed=6), 20)]
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
@@ -324,7 +320,7 @@ def test_steps_from_a_thread_that_has_done_no_gpu_work(graphs):
 
     target, worker = gpu_worker("triton_mla")
     if graphs:
-        GraphRunner(worker, [1, 2, 4], progress=False)
+        worker.capture_graphs([1, 2, 4], progress=False)
     group = prompts(3, seed=3)
     reqs = worker.add_requests(group, 24)
     worker.step()
@@ -359,7 +355,7 @@ def test_a_worker_on_another_gpu_than_the_current_one(graphs, backend):
     held_on_0 = torch.cuda.memory_allocated(0)
     target, worker = gpu_worker(backend, device="cuda:1")
     if graphs:
-        GraphRunner(worker, [1, 2, 4], progress=False)
+        worker.capture_graphs([1, 2, 4], progress=False)
     groups = [(prompts(2, seed=7), 24), (prompts(2, seed=8), 16)]
     outputs, _ = run_to_completion(worker, groups)
     torch.cuda.synchronize(1)
@@ -375,8 +371,8 @@ def test_a_worker_on_another_gpu_than_the_current_one(graphs, backend):
 def test_batches_above_the_largest_bucket_run_eagerly_with_eager_fallback(backend):
     target, worker = gpu_worker(backend, max_bs=4)
     with pytest.raises(ValueError, match="eager_fallback"):
-        GraphRunner(worker, [1, 2], progress=False)
-    GraphRunner(worker, [1, 2], eager_fallback=True, progress=False)
+        worker.capture_graphs([1, 2], progress=False)
+    worker.capture_graphs([1, 2], eager_fallback=True, progress=False)
     groups = [(prompts(3, seed=8), 24), (prompts(1, seed=9), 12)]
     outputs, _ = run_to_completion(worker, groups, join_every=3)
     assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
@@ -389,13 +385,13 @@ def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
     batch-1 step for N <= 2044 too. A request growing past that replays both kinds, losslessly."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     limit = narrow_plan_limit(1, 16, 4, 4096, sms, wide_tiles=True)  # 2048 on an H100 SXM (132 SMs)
-    if torch.cuda.get_device_capability()[0] != 9 or triton_mla_wgmma.gluon is None or not limit:
+    if torch.cuda.get_device_capability()[0] != 9 or wgmma_tile.gluon is None or not limit:
         pytest.skip("the wgmma tile (and so a second plan) is SM90's, with Gluon")
     target, mtp = make_models("cuda", torch.float32, num_attention_heads=16, max_position_embeddings=4096)
     cfg = SpecConfig(num_steps=3, topk=1, attention_backend="triton_mla", kv_dtype="bf16", page_size=64,
                      max_batch_size=2, max_context_len=4096)
     worker = EagleWorker(target, mtp, cfg)
-    runner = GraphRunner(worker, [1, 2], progress=False)
+    runner = worker.capture_graphs([1, 2], progress=False)
     bound = limit - 4  # verify and draft-extend attend N + 4 kv rows
     assert bound in runner.kv_bounds[1] and runner.kv_bounds[1][-1] is None
     replayed = []
@@ -406,12 +402,11 @@ def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
     outputs, _ = run_to_completion(worker, groups)
     assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16)
     assert (1, bound) in replayed and (1, None) in replayed
-    assert GraphRunner(worker, [1], eager_fallback=True, progress=False, kv_bounds=False).kv_bounds == {1: [None]}
+    assert worker.capture_graphs([1], eager_fallback=True, progress=False, kv_bounds=False).kv_bounds == {1: [None]}
 
 
 _HELD_BY_TWO_RUNNERS = """
 import json, torch
-from graphs.runner import GraphRunner
 from test_graphs import gpu_worker
 
 held, workers = [], []  # workers alive to the end: a freed graph pool's blocks would serve the next capture
@@ -420,7 +415,7 @@ for buckets in ([1], [1, 2, 4, 8]):
     workers.append(worker)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    GraphRunner(worker, buckets, eager_fallback=True, progress=False)
+    worker.capture_graphs(buckets, eager_fallback=True, progress=False)
     held.append(torch.cuda.memory_allocated() - before)
 print(json.dumps(held))
 """
@@ -454,7 +449,7 @@ def test_whole_step_has_no_host_sync(backend, graphs, topk):
     for checked in _runs(graphs):
         _, worker = gpu_worker(backend, topk=topk, ndt=6 if topk > 1 else None)
         if graphs:
-            GraphRunner(worker, [1, 2, 4], progress=False)
+            worker.capture_graphs([1, 2, 4], progress=False)
         worker.add_requests(prompts(2, seed=5), 40)
         for i in range(6):
             if i == 3:
@@ -470,7 +465,7 @@ def test_sampled_standalone_steps_have_no_host_sync(graphs):
     for checked in _runs(graphs):
         _, worker = gpu_worker("triton_mla", topk=2, ndt=6, draft_mode="standalone", enable_sampling=True)
         if graphs:
-            GraphRunner(worker, [1, 2, 4], progress=False)
+            worker.capture_graphs([1, 2, 4], progress=False)
         running = worker.add_requests(prompts(2, seed=5), 40, sampling=[SamplingParams(0.8, 0.9, 20)] * 2)
         for i in range(6):
             if i == 2:

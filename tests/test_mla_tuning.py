@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from attn.triton_mla_plan import launch_config, plan_launch  # noqa: E402
+from attn.kernels.triton_mla.plan import launch_config, plan_launch  # noqa: E402
 from benchmarks.mla_tuning import PLAN_SEARCH_SHAPES, alternative_launches  # noqa: E402
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from attn.backends.torch_ref import TorchRefBackend
 from attn.base import AttnBatch, ForwardMode
-from attn.torch_ref import TorchRefBackend
 from specdec.kv import MLAKVPool
 from specdec.models.loader import _holds
 from specdec.models import (

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from attn.backends.torch_ref import TorchRefBackend, paged_mla_reference
 from attn.base import AttnBatch, ForwardMode, LayerSpec
 from attn.paged import PagedMLABackend
-from attn.reference import paged_mla_reference
-from attn.torch_ref import TorchRefBackend
 from specdec.kv import MLAKVPool
 
 
@@ -35,7 +34,7 @@ def naive(q, kv_cache, block_tables, seq_lens, cu, scale, mask=None):
 @pytest.mark.parametrize("chunk_bytes", [None, 1])  # 1: a chunk of one query position
 def test_matches_naive(page_size, masked, chunk_bytes, monkeypatch):
     if chunk_bytes is not None:
-        monkeypatch.setattr("attn.reference._CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr("attn.backends.torch_ref._CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(page_size)
     heads, num_pages, bs = 3, 40, 3
     kv_cache = torch.randn(num_pages, page_size, 576, generator=g)
@@ -442,7 +441,7 @@ def test_scales_a_kernel_would_refuse_after_the_cache_write_are_refused_up_front
 
 
 def test_backends_refuse_caches_of_dtypes_their_kernel_does_not_take():
-    from attn.triton_mla import TritonMLABackend
+    from attn.backends.triton_mla import TritonMLABackend
 
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="triton_mla takes kv caches of .*not torch.float32"):
@@ -477,7 +476,7 @@ def test_multi_step_draft_takes_one_batch_per_draft_forward():
 
 def test_multi_step_draft_refuses_steps_of_other_requests_and_trees_without_masks():
     from attn.multistep import MultiStepDraftBackend
-    from attn.trtllm_mla import TrtllmMLABackend
+    from attn.backends.blackwell.trtllm_mla import TrtllmMLABackend
 
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     rows = [pool.alloc_request(), pool.alloc_request()]
@@ -505,7 +504,7 @@ def test_multi_step_draft_refuses_steps_of_other_requests_and_trees_without_mask
 
 @pytest.mark.parametrize("mode, q_len", [(ForwardMode.DECODE, 0), (ForwardMode.EXTEND, 0)])
 def test_a_pass_of_no_tokens_returns_no_rows(mode, q_len):
-    from attn.triton_mla import TritonMLABackend
+    from attn.backends.triton_mla import TritonMLABackend
 
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.bfloat16)
     row = pool.alloc_request()

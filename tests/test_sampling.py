@@ -9,9 +9,9 @@ from spec_helpers import make_models
 from specdec.baseline import greedy_generate, sequence_logits
 from specdec.config import SpecConfig
 from specdec.draft import StandaloneDraft
-from specdec.sampling import SamplingParams, hash_uniform, target_probs, tree_rejection_sample
+from specdec.accept import greedy_accept, target_probs, tree_rejection_sample
+from specdec.sampling import SamplingParams, hash_uniform
 from specdec.tree import DraftTree, VerifyTree, topk_probs
-from specdec.verify import greedy_accept
 from specdec.worker import EagleWorker
 
 N = 40_000  # samples, one batch row each; TV bound below is ~6 standard errors

@@ -9,7 +9,7 @@ buckets and eager batches), its prefill chunks and its captures planned for a kv
 each distinct variant once. For sm_103a (B300) the variants that differ from the B200's beyond the
 target arch are compiled; the rest, over the same shapes, are asserted to be B200 variants (compiled
 for sm_100a) but for the arch, and one per FlashInfer kernel source compiles for sm_103a too. At
-other head counts and page sizes, eager batch sizes are only captured. See attn/sm100_compile.py.
+other head counts and page sizes, eager batch sizes are only captured. See devtools/sm100_compile.py.
 
 The kernel libraries are optional. Install them without pulling a CUDA build of torch (the torch
 pin keeps the preinstalled CPU torch; ~1 min on 2 cores):
@@ -31,9 +31,9 @@ import functools
 import pytest
 import torch
 
-from attn import sm100_compile
-from attn.fake_blackwell import B200, B300, fake_b200
-from attn.sm100_compile import (
+from devtools import sm100_compile
+from devtools.fake_blackwell import B200, B300, fake_b200
+from devtools.sm100_compile import (
     KernelUnsupportedError,
     KernelVariant,
     compile_cutedsl_decode,
@@ -86,7 +86,7 @@ def test_import_does_not_pull_kernel_libraries() -> None:
     import sys
 
     code = (
-        "import sys; import attn.sm100_compile; "
+        "import sys; import devtools.sm100_compile; "
         "bad = [m for m in ('flashinfer', 'cutlass', 'tokenspeed_mla') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -329,9 +329,9 @@ def test_every_eager_batch_size_is_a_variant_the_library_takes(backend, kv_dtype
 # ---------------------------------------------------------------------------------------------
 # kv-bounded graph captures: each pass planned for bound + its extra kv rows
 # ---------------------------------------------------------------------------------------------
-# The graph runner captures a bucket's step once more per kv bound (worker.kv_len_buckets, set as
-# worker.kv_len_bound), with every pass's AttnBatch.max_kv_len = bound + the pass's extra kv rows
-# (worker.pass_shapes), which the Blackwell backends hand the library as max_seq_len. The bounds
+# The graph runner captures a bucket's step once more per kv bound (SpecStep.kv_len_buckets, an
+# argument of each capture), with every pass's AttnBatch.max_kv_len = bound + the pass's extra kv rows
+# (SpecStep.pass_shapes), which the Blackwell backends hand the library as max_seq_len. The bounds
 # come from the backends' kv_len_bounds: the Blackwell backends declare none, so a worker of one
 # Blackwell family alone captures no bounded step (listed all the same, for when they do), but one
 # where triton_mla serves another role does (bounds of ~1k, 2k and 4k tokens at batches up to 4 on
@@ -354,7 +354,7 @@ def planned_as_on_a_b200(monkeypatch) -> None:
     launches) and Triton's planner given the B200's SMs, not the interpreter's one. A B300 has as
     many, so its workers plan the same captures."""
     assert B300.multi_processor_count == B200.multi_processor_count
-    from attn import triton_mla_kernel
+    from attn.kernels.triton_mla import kernel as triton_mla_kernel
     from attn.registry import backend_names, get_backend_class
 
     for name in backend_names():
@@ -379,8 +379,8 @@ def _kv_bounded_shapes(worker, backend: str, kv_dtype: str, buckets: list[int]) 
 
     return [dict(num_heads=SERVING_HEADS, q_len=q_len, page_size=SERVING["page_size"], kv_dtype=POOL_DTYPES[kv_dtype],
                  batch_size=bs, max_seq_len=bound + extra)
-            for bs in buckets for bound in worker.kv_len_buckets(bs)
-            for pass_backend, extra, q_len in worker.pass_shapes() if pass_backend.name == backend]
+            for bs in buckets for bound in worker.spec_step.kv_len_buckets(bs)
+            for pass_backend, extra, q_len in worker.spec_step.pass_shapes() if pass_backend.name == backend]
 
 
 def _every_kv_bounded_shape(backend: str, kv_dtype: str) -> list[dict]:

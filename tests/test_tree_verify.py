@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specdec.tree import DraftChain, DraftTree, start_tree, topk_probs
-from specdec.verify import AcceptResult, chain_accept, greedy_accept, stop_at_limits
+from specdec.accept import AcceptResult, chain_accept, greedy_accept, stop_at_limits
 
 
 def example_tree(mask_out=None):

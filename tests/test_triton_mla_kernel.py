@@ -1,5 +1,5 @@
-"""Tests of the Triton paged MLA kernel (attn/triton_mla_kernel.py); its launch planning
-(attn/triton_mla_plan.py) is tested in tests/test_triton_mla_plan.py.
+"""Tests of the Triton paged MLA kernel (attn/kernels/triton_mla/kernel.py); its launch planning
+(attn/kernels/triton_mla/plan.py) is tested in tests/test_triton_mla_plan.py.
 
 CPU: the plan a call makes from its inputs and argument checks; the kernel itself under the
 Triton interpreter when Triton is installed. GPU (marked ``gpu``): the kernel against a plain-torch
@@ -11,9 +11,9 @@ Tolerance: bf16 output vs an fp32 reference, atol = rtol = 2e-2 (atol times a kv
 import pytest
 import torch
 
-from attn import triton_mla_kernel
-from attn.triton_mla_kernel import mla_paged_attention, plan_for
-from attn.triton_mla_plan import MAX_SPLITS, plan_launch
+from attn.kernels.triton_mla import kernel as triton_mla_kernel
+from attn.kernels.triton_mla.kernel import mla_paged_attention, plan_for
+from attn.kernels.triton_mla.plan import MAX_SPLITS, plan_launch
 from interpreted import run_interpreted
 
 D, DV = 576, 512
@@ -172,7 +172,7 @@ _INTERPRETED = """
 import numpy as np
 import torch
 
-from attn.triton_mla_kernel import mla_paged_attention
+from attn.kernels.triton_mla.kernel import mla_paged_attention
 from tests.test_triton_mla_kernel import SM_SCALE, check, make_inputs, random_mask
 
 # bf16 products go through tests/interpreted.py's fix of the interpreter's bf16 tl.dot.
@@ -204,7 +204,7 @@ import math
 
 import torch
 
-from attn.triton_mla_kernel import _merge_splits
+from attn.kernels.triton_mla.kernel import _merge_splits
 
 gen = torch.Generator().manual_seed(5)
 T, H, S = 4, 2, 200  # past MAX_SPLITS (128, loaded at once): the reduce streams them in blocks of 128
@@ -237,7 +237,7 @@ def test_split_merge_under_triton_interpreter():
 _INTERPRETED_STRIDES = """
 import torch
 
-from attn.triton_mla_kernel import mla_paged_attention
+from attn.kernels.triton_mla.kernel import mla_paged_attention
 from test_triton_mla_kernel import make_inputs, reference
 
 STRIDE = 2 ** 30  # int32, but head 2 of a view with this head stride lies past 2 ** 31 elements

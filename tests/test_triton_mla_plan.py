@@ -1,10 +1,10 @@
-"""CPU tests of the Triton MLA kernels' launch planning (attn/triton_mla_plan.py): tile shapes,
+"""CPU tests of the Triton MLA kernels' launch planning (attn/kernels/triton_mla/plan.py): tile shapes,
 split counts, 16-bit partials, L2 discards and the kv bounds plans change at. The kernels that run
 these plans are tested in tests/test_triton_mla_kernel.py."""
 
 import pytest
 
-from attn.triton_mla_plan import (MAX_SPLITS, PLAN_BOUND_MIN_KV, LaunchPlan, TileShape, discard_line_values,
+from attn.kernels.triton_mla.plan import (MAX_SPLITS, PLAN_BOUND_MIN_KV, LaunchPlan, TileShape, discard_line_values,
                                   launch_config, min_split_len, narrow_partials, narrow_plan_limit, num_row_blocks,
                                   plan_bounds, plan_launch, select_config, tile_shape, used_splits)
 

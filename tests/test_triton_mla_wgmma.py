@@ -1,4 +1,4 @@
-"""CPU checks of the Gluon wgmma tile (attn/triton_mla_wgmma.py); its numerics are checked on the GPU
+"""CPU checks of the Gluon wgmma tile (attn/kernels/triton_mla/wgmma.py); its numerics are checked on the GPU
 by tests/test_triton_mla_kernel.py, which reaches it through mla_paged_attention on SM90.
 
 The kernel is compiled for sm_90a without a GPU (Triton's compiler and its bundled ptxas) in the
@@ -12,13 +12,13 @@ import subprocess
 import pytest
 import torch
 
-from attn import triton_mla_wgmma
-from attn.triton_mla_plan import LaunchPlan, TileShape, launch_config, narrow_partials, select_config
-from attn.triton_mla_tma import flat_rows, row_descriptors
+from attn.kernels.triton_mla import wgmma as wgmma_tile
+from attn.kernels.triton_mla.plan import LaunchPlan, TileShape, launch_config, narrow_partials, select_config
+from attn.kernels.triton_mla.tma import flat_rows, row_descriptors
 
 H100_SMEM_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on SM90
 
-needs_gluon = pytest.mark.skipif(triton_mla_wgmma.gluon is None, reason="needs Triton with Gluon")
+needs_gluon = pytest.mark.skipif(wgmma_tile.gluon is None, reason="needs Triton with Gluon")
 
 
 def _descriptor_type(block_shape: list[int], dtype: str = "bf16") -> str:
@@ -42,7 +42,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     kv_dtype = "fp8e4nv" if kv_fp8 else "bf16"
     ints = ["stride_bt", "stride_mb", "stride_mq", "stride_ot", "stride_oh", "stride_os",
             "stride_lt", "stride_lh", "num_splits", "mask_len"]
-    box = triton_mla_wgmma.query_box_rows(tile.block_h)
+    box = wgmma_tile.query_box_rows(tile.block_h)
     signature = dict(q_nope_desc=_descriptor_type([box, 512]), q_pe_desc=_descriptor_type([box, 64]),
                      kv_nope_desc=_descriptor_type([block_n, 512], kv_dtype),
                      kv_pe_desc=_descriptor_type([block_n, 64], kv_dtype), bt_ptr="*i32", seq_lens_ptr="*i32",
@@ -56,9 +56,9 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
     # the output (multiples of 512) divisible by 16; what vectorises its loads and stores.
     aligned = [name for name in signature if name.endswith("_ptr") or name in ("stride_ot", "stride_oh", "stride_os")]
     attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = GluonASTSource(triton_mla_wgmma._mla_wgmma_kernel, signature, constants, attrs)
+    source = GluonASTSource(wgmma_tile._mla_wgmma_kernel, signature, constants, attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=triton_mla_wgmma.NUM_WARPS))
+                            options=dict(num_warps=wgmma_tile.NUM_WARPS))
     ptxas = get_ptxas(90).path
     return kernel, kernel.asm["ptx"], ptxas
 
@@ -81,7 +81,7 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
 def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, q_len, has_mask, direct,
                                                                  kv_fp8):
     tile = TileShape(min(num_heads, 64), 64 // min(num_heads, 64))
-    assert tile.rows == triton_mla_wgmma.BLOCK_M
+    assert tile.rows == wgmma_tile.BLOCK_M
     config = launch_config(LaunchPlan(tile, select_config(tile), 1), wgmma=True)
     out_dtype = "bf16" if direct or narrow_partials(config, num_heads, q_len) else "fp32"
     kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
@@ -103,17 +103,17 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_hea
 def test_serves_heads_that_fill_query_boxes_of_eight_rows():
     """A box is one token's heads, rounded up to a power of two: 5-8 heads make 8-row boxes; 1, 2
     and 4 heads, all of a request's, fill 8 rows with several tokens' heads; 3 heads cannot."""
-    assert [h for h in range(1, 17) if triton_mla_wgmma.serves_heads(h)] == [1, 2, 4, *range(5, 17)]
-    assert triton_mla_wgmma.serves_heads(128)
-    assert [triton_mla_wgmma.query_box_rows(h) for h in (1, 2, 4, 8, 16, 64)] == [8, 8, 8, 8, 16, 64]
+    assert [h for h in range(1, 17) if wgmma_tile.serves_heads(h)] == [1, 2, 4, *range(5, 17)]
+    assert wgmma_tile.serves_heads(128)
+    assert [wgmma_tile.query_box_rows(h) for h in (1, 2, 4, 8, 16, 64)] == [8, 8, 8, 8, 16, 64]
 
 
 def test_not_used_off_sm90_or_for_caches_it_cannot_address():
     q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
-    assert not triton_mla_wgmma.supports(q, kv)  # a CPU tensor: no SM90 device
+    assert not wgmma_tile.supports(q, kv)  # a CPU tensor: no SM90 device
     plan = LaunchPlan(TileShape(64, 1), select_config(TileShape(64, 1)), 1)
-    assert launch_config(plan, triton_mla_wgmma.supports(q, kv)) == plan.config and not plan.config.wgmma
+    assert launch_config(plan, wgmma_tile.supports(q, kv)) == plan.config and not plan.config.wgmma
     assert launch_config(plan, True).wgmma  # a 64-row tile on a device and cache it serves
     narrow = LaunchPlan(TileShape(16, 1), select_config(TileShape(16, 1)), 1)
     assert launch_config(narrow, True) == narrow.config  # the Triton kernel serves 16-row tiles

@@ -102,7 +102,7 @@ def test_standalone_draft_lossless(target):
         worker = EagleWorker(target, StandaloneDraft(draft), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6,
                                                                         draft_mode="standalone", max_context_len=128))
         worker.add_requests(groups[0][0][:1], 4)
-        template = worker.state_template(4).hidden
+        template = worker.spec_step.state_template(4).hidden
         assert (template.shape[1], template.dtype) == (worker.state.hidden.shape[1], worker.state.hidden.dtype)
         drain(worker)
         outputs, _ = run_to_completion(worker, groups)
@@ -227,11 +227,11 @@ def test_a_failed_prefill_releases_the_new_requests(target, mtp):
     group = prompts(2, seed=13)
     reqs = worker.add_requests(group, 8)
     free = free_pages(worker)
-    forward = worker._forward
-    worker._forward = lambda *args: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("simulated"))
+    prefill_pass = worker.prefill._pass
+    worker.prefill._pass = lambda *args: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("simulated"))
     with pytest.raises(torch.cuda.OutOfMemoryError):
         worker.add_requests(prompts(2, seed=14), 8)
-    worker._forward = forward
+    worker.prefill._pass = prefill_pass
     assert free_pages(worker) == free
     assert worker.requests == reqs
     more = worker.add_requests(prompts(2, seed=14), 8)  # the rows came back: room for two more
@@ -251,11 +251,12 @@ def test_nothing_changes_the_batch_while_a_step_is_in_flight(target, mtp):
             call()
     with pytest.raises(RuntimeError, match="result of the step in flight"):
         worker.finish_step(object())
-    wait = worker._emitted.wait
-    worker._emitted.wait = lambda: (_ for _ in ()).throw(KeyboardInterrupt())
+    host_copy = worker.spec_step.host_copy
+    wait = host_copy.wait
+    host_copy.wait = lambda: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):  # an interrupted wait: finish_step may be called again
         worker.finish_step(result)
-    worker._emitted.wait = wait
+    host_copy.wait = wait
     assert worker.in_flight is result
     worker.finish_step(result)
     assert worker.in_flight is None
@@ -333,9 +334,10 @@ def test_tokens_go_to_the_host_before_draft_extend(target, mtp, monkeypatch):
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=2, max_context_len=64))
     worker.add_requests(prompts(2, seed=18), 8)
     order = []
-    copy, extend = worker._emitted.enqueue, worker.draft_extend
-    monkeypatch.setattr(worker._emitted, "enqueue", lambda *a, **k: (order.append("copy"), copy(*a, **k))[1])
-    monkeypatch.setattr(worker, "draft_extend", lambda *a, **k: (order.append("draft_extend"), extend(*a, **k))[1])
+    step = worker.spec_step
+    copy, extend = step.host_copy.enqueue, step.draft_extend
+    monkeypatch.setattr(step.host_copy, "enqueue", lambda *a, **k: (order.append("copy"), copy(*a, **k))[1])
+    monkeypatch.setattr(step, "draft_extend", lambda *a, **k: (order.append("draft_extend"), extend(*a, **k))[1])
     worker.step()
     assert order == ["copy", "draft_extend"]
 

@@ -26,7 +26,6 @@ import torch
 from attn.base import KV_DTYPES
 from attn.paged import PagedMLABackend
 from attn.registry import get_backend_class
-from graphs.runner import GraphRunner
 from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
@@ -173,7 +172,7 @@ def drive(rng: random.Random, target, drafts: dict, watch: Watch, backend: str =
     draft, cfg = random_config(rng, backend, kv_dtype)
     worker = EagleWorker(target, drafts[draft], cfg)
     if graphs:
-        GraphRunner(worker, progress=False)
+        worker.capture_graphs(progress=False)
     cfg = worker.config
     reference = {} if backend == "torch_ref" else dict(backend=backend, page_size=cfg.page_size,
                                                        kv_dtype=KV_DTYPES[cfg.kv_dtype], kv_scale=cfg.kv_scale)

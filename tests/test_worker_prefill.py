@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+import specdec.prefill
 from specdec.baseline import greedy_generate
+from specdec.batch import run_pass
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.worker import EagleWorker
@@ -21,7 +23,7 @@ def cached(pool, row: int, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("draft_mode,topk", [("eagle", 1), ("eagle", 2), ("standalone", 1)])
-def test_prefill_runs_in_passes_of_at_most_max_prefill_tokens(target, mtp, draft_mode, topk):
+def test_prefill_runs_in_passes_of_at_most_max_prefill_tokens(target, mtp, draft_mode, topk, monkeypatch):
     """Prompts of 3, 4, 9, 2 and 2 tokens under a cap of 6 prefill in chunks, a long prompt over
     several passes (each pass's target and draft pieces checked). The caches and first draft
     candidates equal those of one pass over every prompt, and the outputs stay the greedy ones; a
@@ -33,14 +35,14 @@ def test_prefill_runs_in_passes_of_at_most_max_prefill_tokens(target, mtp, draft
     worker = EagleWorker(target, draft, cfg)
     whole = EagleWorker(target, draft, SpecConfig(**{**cfg.__dict__, "max_prefill_tokens": 64}))
     passes = []
-    forward = worker._forward
+    mine = (worker.target_prefill_backend, worker.draft_prefill_backend)
 
     def record(model, backend, batch, *inputs):
-        if batch.mode.value == "extend":
+        if batch.mode.value == "extend" and any(backend is b for b in mine):
             passes.append((model is target, batch.cu_seqlens_q.diff().tolist(), batch.seq_lens.tolist()))
-        return forward(model, backend, batch, *inputs)
+        return run_pass(model, backend, batch, *inputs)
 
-    worker._forward = record
+    monkeypatch.setattr(specdec.prefill, "run_pass", record)
     lengths = [3, 4, 9, 2, 2]
     groups = [([p[:n] for p, n in zip(prompts(5, seed=8), lengths)], 6)]
     chunked, one_pass = worker.add_requests(*groups[0]), whole.add_requests(*groups[0])
@@ -72,7 +74,7 @@ def test_a_prefill_backend_that_takes_fewer_tokens_gets_passes_of_its_size(targe
     capped = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=5, max_context_len=64, max_prefill_tokens=6))
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=5, max_context_len=64))
     worker.draft_prefill_backend.max_prefill_tokens = 6
-    passes = [[[(r.rid, s, n) for r, s, n in pieces] for pieces in w._prefill_passes(w.add_requests(group, 2))]
+    passes = [[[(r.rid, s, n) for r, s, n in pieces] for pieces in w.prefill.passes(w.add_requests(group, 2))]
               for w in (capped, worker)]
     assert passes[0] == passes[1] and len(passes[0]) == 4
 

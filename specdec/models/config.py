@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from attn.base import KV_LORA_RANK, QK_ROPE_DIM, finite_real, is_int, positive_finite
+from attn.base import KV_LORA_RANK, QK_ROPE_DIM
+from attn.values import is_finite_real, is_int, is_positive_finite
 
 _MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 _YARN_REQUIRED = ("factor", "original_max_position_embeddings")
@@ -116,7 +117,7 @@ class DeepseekV3Config:
     def _validate_types(self) -> None:
         """Each field of the type its annotation names (a JSON null, a string or a float where an int
         belongs failed later, in torch or in math, naming no field); ints pass for floats."""
-        checks = {"int": is_int, "float": finite_real,
+        checks = {"int": is_int, "float": is_finite_real,
                   "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
                   "dict": lambda v: isinstance(v, dict)}
         for f in fields(self):
@@ -152,7 +153,7 @@ class DeepseekV3Config:
         missing = [k for k in _YARN_REQUIRED if k not in rs]
         _check(not missing, "rope_scaling", f"needs {missing}", rs)
         factor, original = rs["factor"], rs["original_max_position_embeddings"]
-        _check(positive_finite(factor), "rope_scaling", "needs a positive factor", rs)
+        _check(is_positive_finite(factor), "rope_scaling", "needs a positive factor", rs)
         _check(is_int(original) and original > 0, "rope_scaling",
                "needs a positive int original_max_position_embeddings", rs)
         # Optional. A null or 0 beta takes transformers' default (beta_fast 32, beta_slow 1); a null or
@@ -161,7 +162,7 @@ class DeepseekV3Config:
         # built, a string in arithmetic.
         for key in _YARN_OPTIONAL:
             value, positive = rs.get(key), key == "attention_factor"
-            _check(value is None or (finite_real(value) and (value > 0 if positive else value >= 0)), "rope_scaling",
+            _check(value is None or (is_finite_real(value) and (value > 0 if positive else value >= 0)), "rope_scaling",
                    f"needs {key} {'a positive' if positive else 'a non-negative'} number or null", rs)
         _check(rs.get("truncate") is None or isinstance(rs["truncate"], bool), "rope_scaling",
                "needs truncate a bool or null", rs)

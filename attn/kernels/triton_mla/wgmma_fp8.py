@@ -1,4 +1,4 @@
-"""How the Gluon wgmma tile (attn/triton_mla_wgmma.py) computes over an fp8 e4m3 cache: in fp16.
+"""How the Gluon wgmma tile (attn/kernels/triton_mla/wgmma.py) computes over an fp8 e4m3 cache: in fp16.
 
 Each fp8 kv tile is widened from the slot its copy landed in into a 16-bit compute stage (e4m3 ->
 fp16 is exact and one instruction a pair, where bf16 needs several), and a 16-bit query tile is

@@ -1,155 +1,36 @@
 """The 64-row MLA attention tile for Hopper, written in Gluon: TMA-fed, warp-specialised wgmma.
 
-Same contract as ``_mla_attention_kernel`` in attn/triton_mla_kernel.py (which launches it), for
-the tiles where that kernel is compute-bound: 64 (query token x head) rows, a cache in the
-query's 16-bit dtype or fp8 e4m3 whose pages hold whole 64-row kv tiles, a query and a cache whose
-rows TMA can address, on SM90.
-Triton's own lowering of that tile keeps the query in registers next to the [64, 512] fp32
-accumulator and spills; here the roles follow FlashInfer FA3-MLA's, spelled out:
+Same contract as ``_mla_attention_kernel`` in kernel.py (which launches it), for the tiles where
+that kernel is compute-bound: 64 (query token x head) rows, a cache in the query's 16-bit dtype or
+fp8 e4m3 whose pages hold whole 64-row kv tiles, a query and a cache whose rows TMA can address, on
+SM90. Triton's own lowering of that tile keeps the query in registers next to the [64, 512] fp32
+accumulator and spills; here the roles follow FlashInfer FA3-MLA's:
 
-- the query tile ([64, 512] + [64, 64] bf16) arrives by TMA, a box of one token's heads per query
-  token, or with 1, 2 or 4 heads of several tokens' (query_box_rows) (``q_ready``), and sits in
-  shared memory for the whole program;
-- kv tiles ([64, 512] + [64, 64] bf16) arrive by TMA into NUM_STAGES stages (two of 72 KB);
-- warpgroup 0 (``_softmax_partition``) computes the whole [64, 64] QK^T of a tile, the online
-  softmax, and PV for output dims 0-255; warpgroup 1 (``_pv_partition``) computes PV for dims
-  256-511 and issues each stage's next TMA as soon as both PVs are off it. The [64, 256] fp32
-  accumulator a warpgroup holds is 128 registers a thread.
-- QK^T at N = 64 in one warpgroup reads the query tile once per kv tile. Splitting it along N
-  across both warpgroups (the previous version of this tile) read it twice, which made QK^T
-  bound by shared-memory reads (~1.5x its MMA cycles) and needed a row-max exchange.
-- P ([64, 64] bf16) overwrites the tile's rope rows, which QK^T has finished with, and is PV's A
-  operand in both warpgroups; the per-row rescale factor goes through a 64-float slot per stage.
-- mbarriers order the roles: ``ready`` (TMA landed), ``p_ready`` (P and the rescale factor of a
-  stage written), ``a_free`` (warpgroup 0's PV done with a stage), ``done`` (final row sums).
-- 16-bit stores (one-split outputs, and split partials where triton_mla_plan.narrow_partials
-  says so) leave through shared memory a warpgroup is done with (warpgroup 0: the query tile;
-  warpgroup 1: a kv stage, once warpgroup 0 is past its last PV), as whole rows a warp: stored
-  from the wgmma layout they half-filled every sector (H100, 128 heads x q_len 4: 32 x 1k 84 ->
-  72 us; nor are the latency-bound launches, whose staging is on the critical path, faster
-  without it: 1 x 1k x 128 heads x q_len 4 17.1 against 10.6 us, 1 x 16k x 16 heads x q_len 4
-  22.5 against 16.9). fp32 partials are stored from the wgmma layout, which fills whole sectors.
-- Every wgmma is waited for where it is issued: one left in flight across other code made ptxas
-  serialise all of them (warning C7515), which cost ~25% at 128 heads.
-- An fp8 cache (KV_FP8) lands in two fp8 slots of 36 KB and one fp16 compute stage takes the
-  second 72 KB (no room for a second). Each tile is widened into it in halves (e4m3 -> fp16 is
-  exact and one instruction a pair, where bf16 needs several): warpgroup 0 latent columns 0-255
-  (``w0_read``), warpgroup 1 the rest (``widened``) once warpgroup 0's PV of the tile before is
-  off the stage; warpgroup 1 then refills the slot. Warpgroup 0 rewrites a bf16 query tile as fp16
-  times Q_FP16_SCALE and divides the score scale by it (attn/triton_mla_wgmma_fp8.py). H100,
-  against the Triton tile that served fp8 before (and bf16 on this tile): 128 x 4k x 16 heads x
-  q_len 4 400.8 -> 173.7 us (211.8), 8 x 16k x 16 heads x q_len 4 117.4 -> 52.8 (65.0), 32 x 4k x
-  128 heads 196.9 -> 93.5 (72.8), 8 x 4k x 128 heads x q_len 4 200.4 -> 91.6 (64.1). Measured and
-  dropped: widening by warpgroup 1 alone (32 x 4k x 128 heads 100.1 us); QK^T by parts as they are
-  widened (109.8); widening to bf16 (125.3 by bit moves and a bf16 multiply, 140.1 by Triton's
-  cast).
+- the query tile ([64, 512] + [64, 64] bf16) arrives by TMA in query_box_rows boxes (``q_ready``)
+  and stays in shared memory; kv tiles ([64, 576]) arrive by TMA into NUM_STAGES stages of 72 KB.
+- Warpgroup 0 (``_softmax_partition``): the whole [64, 64] QK^T of a tile (the query read once a
+  kv tile), the online softmax, PV for output dims 0-255. Warpgroup 1 (``_pv_partition``): PV for
+  dims 256-511, then each stage's next TMA once both PVs are off it. Each holds a [64, 256] fp32
+  accumulator (128 registers a thread); every wgmma is waited for where it is issued (one left in
+  flight made ptxas serialise them all: warning C7515).
+- P ([64, 64]) overwrites the tile's rope rows, which QK^T is done with, and is both PVs' A
+  operand; the rescale factor goes through a 64-float slot per stage. mbarriers: ``ready`` (TMA
+  landed), ``p_ready`` (P and rescale written), ``a_free`` (warpgroup 0's PV off a stage), ``done``.
+- 16-bit stores leave through shared memory a warpgroup is done with (_store_half); an fp8 cache
+  lands in two 36 KB slots and is widened in halves into one fp16 stage (wgmma_fp8.py).
 
 Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
 SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
-Measured and dropped (H100, graphs): 32-row kv tiles in 3 or 4 stages of 36 KB, to keep more kv in
-flight in the same shared memory (P [64, 32] in a stage's rope rows): slower or no faster on every
-shape tried, as QK^T at N = 32 reads the query tile once per 32 kv rows (32 x 4k x 128 heads
-71.1 -> 86.4 us, 128 x 16k x 128 heads 1004 -> 1266, 128 x 1k x 16 heads x q_len 4 64.5 -> 64.7). The
-softmax's share at 128 heads, as a bound (another H100, whose baselines ran slower): with its
-arithmetic removed (P = the raw scores, wrong results)
-128 x 16k x 128 heads ran 1071 -> 972 us (0.75 -> 0.83 of the roofline), 32 x 4k 75.7 -> 70.2
-(0.66 -> 0.72), 128 x 1k 81.8 -> 78.2 (0.61 -> 0.64); hiding it under the other warpgroup's
-wgmma (FlashMLA's seesaw) could gain no more, short of 0.8 where contexts are short.
-Where the 128-head tile's time goes (ncu, H100 at its own clocks, 32 x 4k x 128 heads, q_len 1,
-1.7 GHz): tensor pipe active 64% of the cycles, DRAM 68% of peak (2.25 TB/s), L2 70%, L1/shared
-51%. By stall samples, warpgroup 0 is never idle for long: QK^T 39% of its samples, the softmax
-19%, its PV 21%, waiting for kv 5%, the pipeline fill (query and first tiles) 12%; warpgroup 1
-spends 49% of its samples waiting for P. The chain QK^T -> softmax -> PV of warpgroup 0 bounds
-the tile, not the memory system. Measured and dropped (H100, graphs, one process): three
-warpgroups, QK^T and the softmax alone in warpgroup 0 and a PV half in each of two more (ptxas
-keeps setmaxnreg only with 160 registers for each PV warpgroup, which leaves 184 for warpgroup 0:
-the whole query does not fit in its registers, its latent columns 0-255 do): slower on 14 of 15
-shapes, 32 x 4k x 128 heads 70.9 -> 81.3 us (76.3 with the query half in registers), 8 x 16k x 128
-heads 69.4 -> 78.6 (78.6), 128 x 4k x 128 heads 283.4 -> 292.2 (288.8), 32 x 4k x 128 heads x
-q_len 4 255.2 -> 268.5 (270.3). Not tried: FA3's overlap of a tile's softmax with the PV of the
-tile before in warpgroup 0 holds each stage one softmax longer, so with two stages the refill
-would land after the QK^T that needs it; it wants a third stage, which shared memory cannot hold
-beside the query. Also measured and dropped on the same shapes (outputs within 0.008 of this tile's;
-all but the fourth below also passed tests/test_triton_mla_kernel.py's GPU tests):
-- QK^T split along K, warpgroup 1 taking latent columns 256-511 and the rope columns and handing
-  its scores over as bf16 hi + lo (over the tile's rope rows and an 8 KB buffer), then the next
-  tile's QK^T under warpgroup 0's softmax: 32 x 4k x 128 heads 71.2 -> 106.2 us (100.8 with
-  columns 384-511 only, 108.9 with 128-511), 128 x 16k x 128 heads 1063 -> 1504-1592;
-- in warpgroup 0, the next tile's QK^T issued before this tile's rescale and PV, to run under
-  them: 70.6 -> 99.8 us, 1071 -> 1452;
-- row sums as a row vector (32 registers fewer) with P as PV's A operand from registers: 71.0 ->
-  75.6 us (76.6 without the latter; 78.8 with the query's latent columns 0-127 in registers too);
-- the scale folded into each exponent's fused multiply-add (30 fewer instructions a tile per
-  thread): 70.6 -> 73.9 us, 1071 -> 1095, 286.5 -> 271.1 at 32 x 16k: noise, no gain.
-- FlashMLA's seesaw: each warpgroup the QK^T and softmax of alternate tiles (one per stage) and its
-  half of every tile's PV; row maxima, rescale factors and P go over through the stage, and the
-  warpgroup that does not own a tile refills its stage. Both warpgroups then hold a [64, 256]
-  accumulator beside the scores and the softmax: ptxas spills 432-456 bytes a thread at 255
-  registers (mostly in the rare tail-zeroing path; a few loop-invariant scalars reload in the
-  loop). 32 x 4k x 128 heads 71.2 -> 122.9 us, 128 x 16k x 128 heads 1076 -> 1740, 128 x 4k x 16
-  heads 206.1 -> 286.7 (it passed the kernel's GPU tests). Not profiled; presumably as each
-  softmax waits for the other warpgroup's row maxima, the softmaxes stay serial, now with an
-  exchange between them, and a stage is refilled only after both PVs of its tile.
-
-Where a one-wave 16-head launch's time goes (H100, graphs; a build that stored each program's
-%globaltimer at its start, its query's and first kv tile's arrival, its loop's end and its
-exit). 128 x 1k x 16 heads x q_len 4, 128 programs on 128 SMs, 64.4 us a call: the query lands
-3.3-5.1 us after the programs start and the first kv tile 4.4-13.8 us (median 8.7: the SMs' first
-copies, 28 MB, queue at the DRAM); the loops over equal kv take 43-53 us, as SMs stream at unequal
-rates, so programs exit from 51.5 to 62.0 us, and the next launch's programs start 2.4 us after
-the last has exited. 32 x 4k x q_len 4 (4 splits): exits at 49.2-56.8 us of a 63.4 us call; the
-reduce and the launches take the rest. The 16 heads x q_len 4 rows short of 0.8 of the roofline
-(62.8 us) lose it to that spread of exit times and to the query and output bytes the roofline
-does not count (18 MB at 128 x 1k: 6 us of copy bandwidth); at q_len 1, 128 x 1k (4.4 MB of them)
-exits at 46.6-55.3 us of 59.0. An SM's rate is its own, launch after launch: the per-SM loop times
-of six launches in a row correlate at 0.81-0.97, and come in tiers by SM id (the two SMs of a TPC
-alike; 128 x 4k x q_len 4: about 174, 183 and 197 us), unrelated to when the first tile landed
-(correlation 0.0-0.3). More, shorter programs, for the hardware to hand the faster SMs more of them,
-were slower still (each pays its query and pipeline fill; more partials): 128 x 1k x q_len 4 65.6
-us at one split, 80.1 at 2, 91.0 at 4; 32 x 4k x q_len 4 66.1 at 4 splits, 75.4 at 8. Evening the
-exits out among a request's splits by claiming kv tiles at run time gained nothing (the spread
-presumably is the SMs' shares of a saturated DRAM, not idle time): measured and dropped (H200, graphs, one
-process, split launches over a 16-bit cache): each program walked the first 1/2, 3/4 or 7/8 of its
-even share and then claimed single tiles of the rest by an atomic counter per request and row
-block (the last ticket reset it; warpgroup 1 claimed and published each tile's start to warpgroup
-0 through a slot per stage). 3/4: 8 x 16k x 16 heads 45.5 -> 45.2 us, x q_len 4 47.6 -> 47.8, 32 x
-4k 45.8 -> 45.7, x q_len 4 48.9 -> 49.1, 32 x 16k 154.2 -> 155.2, 1 x 16k 13.3 -> 14.3, 8 x 16k x 128
-heads 74.2 -> 75.9; the other fractions within 1% of it, and the same code with no tiles left to
-claim 0.5-1.5% slower than this tile. Across requests, each stolen run of tiles would need the other
-request's query tile and a partial and merge of its own.
-
-Where a latency-bound split launch's time goes (H200, graphs; a build that stored %globaltimer at
-points of every program of this kernel and of the reduce; medians, microseconds from the first
-program's start). 1 x 4k x 128 heads (64 splits, 128 programs of one kv tile each), 11.4 us a
-call: programs start 0.9 us after the previous call's reduce stored its last row, are past the
-dependent-launch wait at 0.4 and have their metadata at 0.6, issue the query and kv copies at 1.1;
-the query lands at 1.4, the kv tile at 2.7. Its QK^T, softmax and PV end at 4.7 (2.0 us, of which
-its MMAs take 1.2 at the SM's peak rate). Storing the 64 KB of 16-bit partials a program holds
-takes until 6.5-7.1 (the last 7.9); the reduce's programs start at 8.9 and have read the partials
-at 10.8 (the last 11.1). With 1 x 4k x 16 heads x q_len 4 (64 programs) and 1 x 1k x 128 heads x
-q_len 4 (128) too: a warpgroup's half of the 64 KB takes 1.6-2.5 us to store, 0.9-1.0 us pass from
-the last store to the reduce's start, and the reduce takes 1.4-1.9 us (the last 1.9-2.3). So at one
-or two kv tiles a program, the partials' round trip through L2 and the two launch boundaries cost as
-much as the attention; fewer bytes of partials means fewer splits, each program then walking more
-tiles, which is the trade-off the split planning (and benchmarks/mla_tuning.py --plan-search) weighs.
-An SM's stores are near its own limit there: a plain kernel storing 64 KB of bf16 rows a program
-from registers takes 1.1 us to issue them alone, 1.25 (median) with 128 programs at once. Of the
-half's store in this kernel, the staging through shared memory takes 0.5-0.6 us and the stores
-1.2-1.7. Measured and dropped (H200, graphs, one process): the lse stored ahead of the rows, off
-the tail of the store queue (1.4-3.4% slower on 11 of 12 split launches: its layout conversions
-then delay the rows); that and the row sums published at the last tile's softmax, so that
-warpgroup 1 stores without waiting for warpgroup 0's PV (2-5% slower on 20 of 21 launches, one-split
-ones too, presumably from the branch it adds to the kv loop; it also failed a GPU test over an fp8
-cache, which went unexamined).
+Timings, profiles and the designs measured and dropped: docs/kernels.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
-from attn.triton_mla_tma import flat_rows
-from attn.triton_mla_wgmma_fp8 import QUERY_SCALE, query_to_fp16, widen_half
+from attn.kernels.triton_mla.chunks import chunk_bounds, program_work, visible_kv
+from attn.kernels.triton_mla.tma import flat_rows
+from attn.kernels.triton_mla.wgmma_fp8 import QUERY_SCALE, query_to_fp16, widen_half
 
 try:
     from triton.experimental import gluon
@@ -198,11 +79,8 @@ def serves_heads(num_heads: int) -> bool:
 def query_box_rows(block_h: int) -> int:
     """Rows of one TMA box of a query tile whose tokens hold ``block_h`` heads each: one token's
     heads, or (fewer than MIN_QUERY_BOX heads, all of a request's: serves_heads) the heads of
-    MIN_QUERY_BOX // block_h consecutive tokens, which are consecutive rows of the flat query.
-    Against the Triton tiles that served 1-4 heads before (H100, graphs, one process): 4 heads x
-    q_len 16 1.33-1.67x (8 x 16k 103.5 -> 62.1 us, 128 x 16k 1127 -> 802), x q_len 1 and 4 (tiles
-    widened to 64 rows) 1.01-1.12x; 2 heads x q_len 64 1.35-2.29x, 1 head x q_len 64 1.32-1.63x;
-    latency-bound launches keep their 16-row tiles."""
+    MIN_QUERY_BOX // block_h consecutive tokens, which are consecutive rows of the flat query (so
+    1, 2 and 4 heads run this tile, not the Triton ones: docs/kernels.md)."""
     return max(block_h, MIN_QUERY_BOX)
 
 
@@ -260,10 +138,8 @@ def _store_half(acc, l_i, m_i, half, smem, o_ptr, lse_ptr, q_block, h_block, q_s
     16-bit values (the output, or 16-bit partials) go through a _staging view of ``smem`` (shared
     memory the warpgroup is done with) into rows a warp writes whole, 8 dims a thread: from
     the wgmma layout a warp store writes 4-byte pieces of 8 rows, half-filling every sector it
-    touches. fp32 partials fill theirs from the wgmma layout. Storing by TMA instead (staged in the
-    descriptor's swizzled layout by stmatrix, a box per query token, the warpgroup waiting only for
-    shared memory to be read) was no faster (H100: within 0.3 us on 14 launches, 1 x 1k to 128 x
-    1k): a program exits sooner, but the launch still ends only once its stores have landed."""
+    touches. fp32 partials fill theirs from the wgmma layout. (Stores by TMA were no faster: a
+    launch ends only once its stores have landed; docs/kernels.md.)"""
     o_layout: gl.constexpr = acc.type.layout
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_i = gl.convert_layout(l_i, row_l)
@@ -299,15 +175,8 @@ def _store_half(acc, l_i, m_i, half, smem, o_ptr, lse_ptr, q_block, h_block, q_s
 @_jit
 def _staging(smem, dtype: gl.constexpr):
     """A [64, 256] view in 16-bit ``dtype`` of at least 33 KB of shared memory, rows padded by 8
-    elements so that a wgmma-layout store of 8 rows hits distinct banks. Measured and dropped (H200,
-    graphs, one process): the 128-byte swizzle of a wgmma operand instead, which ptxas stores by
-    stmatrix (16 a thread, not 64 4-byte stores): 0.7-1.7% faster on 8 latency-bound split
-    launches (0.1-0.2 us), 0.8-1.5% slower on 3 of 4 larger ones (128 x 4k x 16 heads x q_len 4
-    158.1 -> 160.5 us). Not tried: the conversion in registers. Triton 3.6 lowers a
-    convert_layout from the wgmma layout to 8 dims a thread through shared memory as well, though
-    both layouts give each warp the same rows (seen in the sm_90a PTX); by hand it is a transpose
-    within each 4-lane quad by shuffles whose sources and targets depend on the lane (~500
-    instructions a thread for its half), which could save at most ~0.3 us of the staging's 0.5-0.6."""
+    elements so that a wgmma-layout store of 8 rows hits distinct banks (the 128-byte swizzle of a
+    wgmma operand, stored by stmatrix, was no faster overall: docs/kernels.md)."""
     layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[_D_HALF, 8]], [_BLOCK_M, _D_HALF], [1, 0])
     return smem._reinterpret(dtype, [_BLOCK_M, _D_HALF], layout)
 
@@ -533,13 +402,8 @@ def _mla_wgmma_kernel(
     mbarrier.init(q_ready, count=_BLOCK_M // BOX_ROWS)
     fence_async_shared()  # the barriers, before the first TMA
     gl.thread_barrier()
-    # Prefetching the four TMA descriptors here (prefetch.tensormap), ahead of the wait, changed
-    # nothing (H100: within 0.2 us on 14 latency-bound launches). Nor does the wait hide a prefetch
-    # of the first kv tiles and the query tile into L2 (cp.async.bulk.prefetch.L2, addresses from
-    # the metadata read ahead of the wait and read again after it): its dependent loads outlast the
-    # wait, and every launch ran slower (H200, one process: 1 x 16k x 16 heads 13.4 -> 15.3 us,
-    # 1 x 4k x 16 heads x q_len 4 10.5 -> 11.0, 128 x 1k x 16 heads x q_len 4 48.4 -> 50.5), though
-    # the first two took 10.8 and 9.3 us over a cache already in L2.
+    # Nothing is prefetched ahead of the wait: neither the TMA descriptors nor the first tiles into
+    # L2 gained (docs/kernels.md).
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -551,19 +415,13 @@ def _mla_wgmma_kernel(
                                     BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
     num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
     # A program of an empty chunk (a split past a short request's length) runs through, storing a
-    # zero partial by the staging. Returning here with only its lse written left the reduce's
-    # loads of that partial (which do not wait for the lse) to miss L2 (H100, tables 128k tokens
-    # wide: 1 x 1k x 128 heads 10.3 -> 11.4 us, 1 x 1k x 16 heads 10.6 -> 11.5, though 1 x 4k x
-    # 16 heads x q_len 4 13.6 -> 11.7); with the zeros stored directly before returning, 11.3,
-    # 11.0 and 14.0 us.
+    # zero partial by the staging: returning here with only its lse written left the reduce's
+    # loads of that partial (which do not wait for the lse) to miss L2 (docs/kernels.md).
 
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_bt
     # The query tile goes out before the first kv tiles: an SM's copies land about in the order they
-    # were issued, and the first QK^T needs both (H100, a query loaded through registers ahead of
-    # the kv copies: 16 heads x q_len 4, 128 x 1k 71.3 -> 68.8 us). As a copy too, the kv copies no
-    # longer wait for its round trip (1 x 1k x 128 heads x q_len 4 11.6 -> 11.0 us, 1 x 4k x 128
-    # heads 12.6 -> 12.0, 8 x 1k x 128 heads 15.0 -> 14.4; widened tiles, which used to load their
-    # query after the kv, within 0.2 us: 1 x 16k x 16 heads 14.4 -> 14.6).
+    # were issued, and the first QK^T needs both; as a TMA copy, the kv copies do not wait for its
+    # round trip either (docs/kernels.md).
     _load_query(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_block, h_block, q_start, q_len,
                 num_tiles, NUM_HEADS, BLOCK_H, BLOCK_Q)
     for i in gl.static_range(NUM_STAGES):

@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
+from attn.backends.blackwell.device import sm_count
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, to_cache_dtype
 from attn.paged import PagedMLABackend
-from attn.fake_blackwell import sm_count
 
 MAX_Q_LEN = 8
 

@@ -1,38 +1,27 @@
 """Compile checks for the Blackwell (SM100 family) CuTe-DSL MLA decode kernels without a GPU.
 
-Our GPUs are Hopper, and CI has no GPU at all, yet two of the Blackwell-only decode kernels the
-worker can select are CuTe-DSL kernels that compile for ``sm_100a`` (B200) or ``sm_103a`` (B300)
-on any machine once the few device queries they make are answered with a fixed device description
-(attn/fake_blackwell.py: :data:`B200`, :data:`B300`):
+Our GPUs are Hopper, and CI has none, yet two of the Blackwell-only decode kernels the worker can
+select compile for ``sm_100a`` (B200) or ``sm_103a`` (B300) on any machine once their few device
+queries are answered by a fixed description (devtools/fake_blackwell.py: :data:`B200`,
+:data:`B300`): tokenspeed-mla's ``tokenspeed_mla_decode`` (the ``tokenspeed_mla`` backend) and
+FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla(..., backend="cute-dsl")`` (``cutedsl_mla``).
+trtllm-gen ships precompiled cubins and cannot be checked this way.
 
-* tokenspeed-mla's decode kernel (``tokenspeed_mla.tokenspeed_mla_decode``), used by the
-  ``tokenspeed_mla`` backend;
-* FlashInfer's cute-dsl MLA decode kernel
-  (``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(..., backend="cute-dsl")``), used by the
-  ``cutedsl_mla`` backend.
-
-(trtllm-gen ships precompiled cubins and cannot be checked this way.)
-
-What this module compiles is *exactly* the variant the runtime call would launch: instead of
-re-deriving the compile parameters (tile shapes, query folding, split-KV reducer capacity, PDL,
-...), it calls the library's public runtime entry point with host tensors of the requested shapes
-under :func:`fake_b200`, intercepts the library's own compile function at the moment the entry
-point asks for a kernel (before anything is launched), and then compiles with those very arguments.
-If a library release moves its compile call elsewhere, capture fails loudly instead of drifting.
-
-Importing this module imports neither flashinfer, cutlass nor tokenspeed_mla; they are imported
-by the functions that need them.
+What this module compiles is *exactly* the variant the runtime call would launch: it calls the
+library's public entry point with host tensors of the requested shapes under :func:`fake_b200`,
+intercepts the library's own compile function when the entry point asks for a kernel (before
+anything launches), and compiles with those very arguments, instead of re-deriving tile shapes,
+query folding, split-KV capacity or PDL. If a release moves its compile call, capture fails loudly.
+Importing this module imports neither flashinfer, cutlass nor tokenspeed_mla.
 
 Example::
 
-    import torch
-    from attn.fake_blackwell import B300
-    from attn.sm100_compile import compile_cutedsl_decode, compile_tokenspeed_decode
+    from devtools.fake_blackwell import B300
+    from devtools.sm100_compile import compile_cutedsl_decode, compile_tokenspeed_decode
 
-    seconds = compile_tokenspeed_decode(num_heads=128, q_len=4, page_size=64,
-                                        kv_dtype=torch.float8_e4m3fn)
-    seconds = compile_cutedsl_decode(num_heads=16, q_len=4, page_size=64,
-                                     kv_dtype=torch.bfloat16, device=B300)  # sm_103a
+    seconds = compile_tokenspeed_decode(num_heads=128, q_len=4, page_size=64, kv_dtype=torch.float8_e4m3fn)
+    seconds = compile_cutedsl_decode(num_heads=16, q_len=4, page_size=64, kv_dtype=torch.bfloat16,
+                                     device=B300)  # sm_103a
 """
 
 from __future__ import annotations
@@ -46,8 +35,8 @@ from unittest import mock
 
 import torch
 
-from attn.base import is_int
-from attn.fake_blackwell import B200, DeviceDescription, fake_b200
+from attn.values import is_int
+from devtools.fake_blackwell import B200, DeviceDescription, fake_b200
 
 __all__ = [
     "KernelUnsupportedError",
@@ -237,19 +226,14 @@ def tokenspeed_decode_variant(
 ) -> KernelVariant:
     """The decode kernel ``tokenspeed_mla.tokenspeed_mla_decode`` would compile for these shapes.
 
-    Calls ``tokenspeed_mla_decode(query [B, q_len, H, 576], kv_cache [pages, page_size, 576],
-    workspace_buffer int8, kv_lora_rank=512, qk_rope_head_dim=64, block_tables [B, pages] int32,
-    seq_lens [B] int32, max_seq_len, softmax_scale, output_scale=1.0, enable_pdl)`` the way the
-    ``tokenspeed_mla`` backend does (SGLang passes ``enable_pdl=True`` on SM100) and captures the
-    arguments it passes to ``tokenspeed_mla.mla_decode._get_compiled_mla_kernel``.
-
-    ``batch_size`` and ``max_seq_len`` matter: they pick split-KV, hence the reducer capacity and
-    D-band count compiled into the FP8 kernel. So does ``device``: its capability is the
-    ``compute_capability`` the kernel is compiled for (``sm_{major}{minor}a``), which also picks the
-    MMA tile (``mla_helpers.select_mla_decode_tilers``: the FP8 M64 tile of num_heads * q_len <= 64
-    is SM100's only; an SM103 takes the 2-CTA M128 tile). Raises :class:`KernelUnsupportedError`
-    when the library's own ``_check_can_implement`` rejects the configuration or
-    ``get_mla_decode_arch`` the device.
+    Calls it as the ``tokenspeed_mla`` backend does (query ``[B, q_len, H, 576]`` and kv_cache
+    ``[pages, page_size, 576]`` in kv_dtype, block_tables ``[B, pages]`` int32, seq_lens ``[B]``
+    int32; enable_pdl as SGLang passes it on SM100) and captures the arguments it passes to
+    ``mla_decode._get_compiled_mla_kernel``. batch_size and max_seq_len pick split-KV (the FP8
+    kernel's reducer capacity and D-band count); ``device``'s capability the target arch and the
+    MMA tile (``select_mla_decode_tilers``: the FP8 M64 tile is SM100's only, an SM103 takes the
+    2-CTA M128 tile). KernelUnsupportedError: ``_check_can_implement`` or ``get_mla_decode_arch``
+    refused.
     """
     _check_shape_args(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
     tokenspeed_mla = _import("tokenspeed_mla", "tokenspeed-mla")
@@ -270,7 +254,7 @@ def tokenspeed_decode_variant(
             ),
             unsupported_markers=("unsupported configuration", "MLA decode requires"),
             missed="tokenspeed_mla_decode returned without calling mla_decode._get_compiled_mla_kernel; "
-            "the library's compile path changed, update attn/sm100_compile.py",
+            "the library's compile path changed, update devtools/sm100_compile.py",
         )
 
 
@@ -286,24 +270,13 @@ def cutedsl_decode_variant(
     device: DeviceDescription = B200,
 ) -> KernelVariant:
     """The kernel ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(backend="cute-dsl")``
-    would compile for these shapes.
-
-    Calls the public entry point the way the ``cutedsl_mla`` backend does: query
-    [B, q_len, H, 576], kv_cache [pages, 1, page_size, 576] (kv_dtype, same as query),
-    workspace_buffer int8, qk_nope_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
-    block_tables [B, pages] int32, seq_lens [B] int32, max_seq_len, float bmm1_scale,
-    ``backend="cute-dsl"``, ``cute_dsl_impl`` (``"auto"``, the default, resolves to the
-    monolithic kernels unless ``sinks`` are passed). It captures the arguments passed to the
-    monolithic ``flashinfer.cute_dsl.attention.monolithic.mla_decode._get_compiled_mla_kernel`` or,
-    for ``cute_dsl_impl="modular"``, ``...wrappers.batch_mla._compile_mla_kernel``.
-
-    FlashInfer's device helpers refuse non-CUDA tensors, so besides :func:`fake_b200` the names
-    ``get_compute_capability`` / ``device_support_pdl`` / ``get_device_sm_count`` are patched in
-    ``flashinfer.mla._core`` and the monolithic module for the duration of the call (``enable_pdl``
-    then resolves as on a B200: True). The kernel is compiled for ``device``'s
-    ``arch="sm_{major}{minor}a"``; its tiles and split-KV do not depend on the arch (split-KV
-    follows the SM count). Raises :class:`KernelUnsupportedError` when FlashInfer's
-    ``_cute_dsl_incompatibility_reason`` rejects the configuration or the device.
+    would compile for these shapes, called as the ``cutedsl_mla`` backend does (query ``[B, q_len,
+    H, 576]``, kv_cache ``[pages, 1, page_size, 576]`` in kv_dtype, block_tables ``[B, pages]``
+    int32, seq_lens ``[B]`` int32; cute_dsl_impl "auto" resolves to the monolithic kernels unless
+    ``sinks`` are passed): the arguments of the monolithic ``_get_compiled_mla_kernel`` or, for
+    "modular", ``wrappers.batch_mla._compile_mla_kernel``. It compiles for ``device``'s arch; its
+    tiles and split-KV do not depend on the arch (split-KV follows the SM count).
+    KernelUnsupportedError: FlashInfer's ``_cute_dsl_incompatibility_reason`` refused.
     """
     _check_shape_args(num_heads, q_len, page_size, kv_dtype, batch_size, max_seq_len)
     core = _import("flashinfer.mla._core", "flashinfer-python")
@@ -315,6 +288,9 @@ def cutedsl_decode_variant(
     def capability(_device: Any = None) -> tuple[int, int]:
         return (device.major, device.minor)
 
+    # FlashInfer's device helpers refuse non-CUDA tensors: besides fake_b200, its capability, PDL and
+    # SM-count queries in _core and the monolithic module are answered for the call (enable_pdl then
+    # resolves as on a B200: True).
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_b200(device))
         stack.enter_context(mock.patch.object(core, "get_compute_capability", capability))
@@ -345,7 +321,7 @@ def cutedsl_decode_variant(
             ),
             unsupported_markers=("cute-dsl backend",),
             missed="trtllm_batch_decode_with_kv_cache_mla(backend='cute-dsl') returned without calling a "
-            "known cute-dsl compile function; update attn/sm100_compile.py",
+            "known cute-dsl compile function; update devtools/sm100_compile.py",
         )
 
 

@@ -3,8 +3,9 @@
 tokenspeed-mla's and FlashInfer's cute-dsl MLA decode kernels compile for ``sm_100a`` / ``sm_103a``
 on any machine once the few device queries they make (capability, properties, SM count, cluster
 capacity, the DSL's default arch) are answered with a fixed description: :data:`B200`,
-:data:`B300`, installed by :func:`fake_b200`. attn/sm100_compile.py captures and compiles the
-variants the backends launch under it; the backends size their workspaces by :func:`sm_count`.
+:data:`B300`, installed by :func:`fake_b200`. devtools/sm100_compile.py captures and compiles the
+variants the backends launch under it. It patches torch (unittest.mock), so runtime code never
+imports it; the backends take their SM count from attn.backends.blackwell.device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from unittest import mock
 
 import torch
 
-__all__ = ["B200", "B300", "DeviceDescription", "fake_b200", "sm_count"]
+from attn.backends.blackwell.device import B200_SM_COUNT
+
+__all__ = ["B200", "B300", "DeviceDescription", "fake_b200"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,7 @@ B200 = DeviceDescription(
     name="NVIDIA B200",
     major=10,
     minor=0,
-    multi_processor_count=148,
+    multi_processor_count=B200_SM_COUNT,
     total_memory=180 * 1024**3,
     L2_cache_size=126 * 1024**2,
     shared_memory_per_block_optin=232448,
@@ -65,12 +68,6 @@ B200 = DeviceDescription(
 #: assumed the B200's. The MLA decode kernels read only the capability and the SM count.
 B300 = dataclasses.replace(B200, name="NVIDIA B300", minor=3, total_memory=268 * 1024**3)
 
-
-def sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; on the CPU (the Blackwell backends' seam tests) the B200's."""
-    if device.type != "cuda":
-        return B200.multi_processor_count
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 # Library caches that memoise device answers. They are emptied on entry (so a real GPU's answers
 # never leak into a fake-B200 compile) and on exit (so fake answers never leak out). Only modules
@@ -130,27 +127,15 @@ def _fake_hardware_info_class(device: DeviceDescription) -> type:
 @contextlib.contextmanager
 def fake_b200(device: DeviceDescription = B200) -> Iterator[DeviceDescription]:
     """Answer the CuTe-DSL kernels' device queries with ``device`` (a B200 by default, or e.g.
-    :data:`B300`).
+    :data:`B300`) inside the ``with`` block, restored on exit; yields the description in force.
 
-    Patched for the duration of the ``with`` block, and restored on exit:
-
-    * ``torch.cuda.get_device_capability`` -> ``(device.major, device.minor)``;
-    * ``torch.cuda.get_device_properties`` -> ``device`` (SM count, name, memory, ...);
-    * ``cutlass.utils.HardwareInfo`` -> a stand-in answering ``get_max_active_clusters``
-      (cluster capacity), SM count and L2 size;
-    * the CuTe DSL's default target arch -> ``sm_{major}{minor}a`` (what ``CUTE_DSL_ARCH`` sets;
-      only kernels compiled without an explicit ``--gpu-arch`` read it).
-
-    The last two only if ``cutlass`` (nvidia-cutlass-dsl) is installed; it is imported here.
-
-    The libraries' memoised device answers (flashinfer ``get_device_properties`` /
-    ``get_compute_capability``, the cute-dsl / tokenspeed ``get_max_active_clusters``,
-    tokenspeed ``get_num_sm``, and their cached ``HardwareInfo`` singletons) are emptied on entry
-    and exit, so neither real nor fake answers cross the boundary; on a machine with a GPU they are
-    simply recomputed on next use. This patches process-wide state: do not launch real GPU work
-    from other threads while inside the block. Nothing here launches a kernel.
-
-    Yields the ``DeviceDescription`` in force.
+    Patched: ``torch.cuda.get_device_capability`` / ``get_device_properties``; where
+    nvidia-cutlass-dsl is installed (imported here), ``cutlass.utils.HardwareInfo`` (cluster
+    capacity, SM count, L2) and the DSL's default target arch (``sm_{major}{minor}a``, what kernels
+    compiled without ``--gpu-arch`` read). The libraries' memoised device answers
+    (_MEMOISED_DEVICE_QUERIES, _HARDWARE_INFO_SINGLETONS) are emptied on entry and exit, so neither
+    real nor fake answers cross the boundary. Process-wide: launch no GPU work from other threads
+    inside the block; nothing here launches a kernel.
     """
     description = device
 

@@ -1,4 +1,4 @@
-"""How the Gluon wgmma tile (attn/triton_mla_wgmma.py) addresses a query or a paged cache by TMA:
+"""How the Gluon wgmma tile (attn/kernels/triton_mla/wgmma.py) addresses a query or a paged cache by TMA:
 an [n, m, 576] tensor as its flat [n * m, 576] rows, and the descriptors of their latent and rope
 parts. Host-side; imports without Gluon (descriptors then cannot be made)."""
 

@@ -1,7 +1,9 @@
-"""Plain-torch paged MLA attention: the reference every kernel is tested against.
+"""The plain-torch backend and its attention function: the reference every kernel is tested against.
 
-Same contract as :func:`attn.triton_mla_kernel.mla_paged_attention`. Vectorised over the batch
-(no host sync, no data-dependent shapes), so it also runs inside CUDA graphs.
+:func:`paged_mla_reference` has the contract of
+:func:`attn.kernels.triton_mla.kernel.mla_paged_attention`, vectorised over the batch (no host
+sync, no data-dependent shapes), so it also runs inside CUDA graphs. :class:`TorchRefBackend`
+runs it in fp32 over any cache dtype. Runs anywhere.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Optional
 import torch
 
 from attn.base import KV_DIM, KV_LORA_RANK
+from attn.paged import RaggedKernelBackend
 
 _CHUNK_BYTES = 256 << 20  # fp32 scores of one chunk of query positions, all requests and heads
 
@@ -27,20 +30,17 @@ def paged_mla_reference(
     out: Optional[torch.Tensor] = None,
     kv_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of packed latent queries over a paged latent cache.
+    """Attention of packed latent queries over a paged latent cache: mla_paged_attention's contract.
 
-    q: ``[T, H, 576]``; kv_cache: ``[num_pages, page_size, 576]`` (K = 576 dims, V = first 512);
-    block_tables: ``[B, max_pages]`` int32; seq_lens: ``[B]`` int32 kv length including the new
-    tokens; cu_seqlens_q: ``[B + 1]`` int32; custom_mask: ``[B, max_q_len, M]`` bool or None.
-    Query i of request b sits at kv index ``seq_lens[b] - q_len_b + i`` and sees kv indices up to
-    it (causal), or with a mask every index before ``seq_lens[b] - M`` plus the masked-in ones of
-    the last M. A query that sees nothing outputs 0. Rows from cu_seqlens_q[B] on are padding:
-    0 in the result, left as they were in ``out``. Returns ``[T, H, 512]`` in q's dtype.
-    max_q_len bounds every request's query count (a host value, as for the kernels; queries past it
-    come back 0). Queries are padded to ``[B, max_q_len]``, so the work grows with B x max_q_len
-    (one long prompt among short ones pays for the padding). Memory: the requests' kv ``[B, table
-    width, 576]`` fp32 and, a chunk of query positions at a time, scores and probabilities of up to
-    _CHUNK_BYTES each (one query position at least), not a copy of a request's kv per query token.
+    q ``[T, H, 576]``; kv_cache ``[num_pages, page_size, 576]`` (K the row, V its first 512);
+    block_tables ``[B, max_pages]`` int32; seq_lens ``[B]`` int32 (new tokens included);
+    cu_seqlens_q ``[B + 1]`` int32. Query i of request b sits at kv index ``seq_lens[b] - q_len_b +
+    i`` and sees up to it, or with custom_mask ``[B, max_q_len, M]`` bool every index before
+    ``seq_lens[b] - M`` and the masked-in ones of the last M. Returns ``[T, H, 512]`` in q's dtype: 0
+    for a query that sees nothing or lies past max_q_len; rows from cu_seqlens_q[B] on are padding
+    (0, and left as they were in ``out``). Work grows with B x max_q_len (queries padded per
+    request); memory: the requests' kv ``[B, table width, 576]`` fp32, and scores of up to
+    _CHUNK_BYTES a chunk of query positions (one position at least), no kv copy per query token.
     """
     num_tokens, num_heads, dim = q.shape
     if dim != KV_DIM or kv_cache.shape[-1] != KV_DIM:
@@ -90,3 +90,18 @@ def paged_mla_reference(
     is_query = torch.arange(num_tokens, device=q.device) < cu_seqlens_q[-1]  # [T]: False for padding rows
     out.copy_(torch.where(is_query[:, None, None], result, out))
     return out
+
+
+class TorchRefBackend(RaggedKernelBackend):
+    """Paged MLA attention in plain torch (fp32 math); supports tree masks and CUDA graphs."""
+
+    name = "torch_ref"
+    kernel_family = "torch_ref"
+    kv_dtypes = (*RaggedKernelBackend.kv_dtypes, "fp64")  # any cache dtype: attention math is fp32 regardless
+
+    def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask,
+                           max_seq_len):
+        return paged_mla_reference(
+            query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, self.layer.sm_scale,
+            custom_mask=custom_mask, kv_scale=self.bmm2_scale(),
+        )

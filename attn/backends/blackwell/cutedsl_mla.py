@@ -7,7 +7,7 @@ trtllm-gen's, whose zero-initialised multi-CTA counters some FlashInfer versions
 
 from __future__ import annotations
 
-from attn.trtllm_mla import TrtllmMLABackend
+from attn.backends.blackwell.trtllm_mla import TrtllmMLABackend
 
 
 class CuteDslMLABackend(TrtllmMLABackend):

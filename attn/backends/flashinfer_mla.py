@@ -1,7 +1,7 @@
 """FlashInfer's BatchMLAPagedAttentionWrapper (FA3 on SM90, FA2 elsewhere), scheduled on the device.
 
 FlashInfer plans its persistent MLA kernel on the host from host kv lengths. Here the uniform
-passes (decode, draft steps, verify, draft-extend) get their schedule from ``attn.fa3_plan``,
+passes (decode, draft steps, verify, draft-extend) get their schedule from ``attn.kernels.fa3_plan``,
 built on the device from the device metadata: the block table is packed into the CSR page list
 (``kv_indices``) and the schedule is written into the wrapper's int workspace, so those passes
 need no host sync and capture in CUDA graphs with nothing to do on the host before a replay
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, AttnBatch, const_arange
-from attn.fa3_plan import MAX_WORKS, Fa3Geometry, schedule_layout, write_schedule
+from attn.kernels.fa3_plan import MAX_WORKS, Fa3Geometry, schedule_layout, write_schedule
 from attn.paged import PagedMLABackend
 
 

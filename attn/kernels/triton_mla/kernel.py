@@ -8,8 +8,7 @@ through the block table, through them once. Long sequences are cut into split-KV
 function of host-side sizes only (batch, heads, max_q_len, splits), all per-request metadata is
 read on the GPU, so a call never synchronises with the host and can be captured in a CUDA graph.
 On SM90, 64-row tiles (compute-bound at 128 heads or q_len 4) run the Gluon twin of the attention
-kernel in attn/triton_mla_wgmma.py instead; the split planning (attn/triton_mla_plan.py) and
-the reduce are shared.
+kernel in wgmma.py instead; the split planning (plan.py) and the reduce are shared.
 
 The module imports without Triton (CPU-only installs): planning and input checks still work.
 """
@@ -19,11 +18,10 @@ from types import SimpleNamespace
 
 import torch
 
-from attn import triton_mla_wgmma
-from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM, is_int, positive_finite
-from attn.triton_mla_chunks import chunk_bounds, program_work, visible_kv
-from attn.triton_mla_tma import row_descriptors
-from attn.triton_mla_plan import (
+from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
+from attn.kernels.triton_mla import wgmma as wgmma_tile
+from attn.kernels.triton_mla.chunks import chunk_bounds, program_work, visible_kv
+from attn.kernels.triton_mla.plan import (
     MAX_SPLITS,
     KernelConfig,
     LaunchPlan,
@@ -37,6 +35,8 @@ from attn.triton_mla_plan import (
     plan_bounds,
     plan_launch,
 )
+from attn.kernels.triton_mla.tma import row_descriptors
+from attn.values import is_int, is_positive_finite
 
 try:
     import triton
@@ -324,7 +324,7 @@ def _check_inputs(
     _expect(is_int(max_q_len) and max_q_len >= 1, f"max_q_len must be a positive int, got {max_q_len!r}")
     for name, scale in (("sm_scale", sm_scale), ("kv_scale", kv_scale)):
         # A tensor failed inside Triton; NaN or inf made every output non-finite.
-        _expect(positive_finite(scale), f"{name} must be a finite positive float, got {scale!r}")
+        _expect(is_positive_finite(scale), f"{name} must be a finite positive float, got {scale!r}")
     if custom_mask is not None:
         _expect(custom_mask.dtype == torch.bool, f"custom_mask must be bool, got {custom_mask.dtype}")
         _expect(custom_mask.dim() == 3 and custom_mask.shape[:2] == (batch_size, max_q_len) and custom_mask.shape[2] >= 1,
@@ -359,39 +359,19 @@ def mla_paged_attention(
     num_splits: int | None = None,
     max_kv_len: int | None = None,
 ) -> torch.Tensor:
-    """Attention of packed absorbed MLA queries over a paged latent cache.
+    """Attention of packed absorbed MLA queries over a paged latent cache; no host sync, graph-safe.
 
-    q: [T, H, 576] bf16/fp16 (512 latent + 64 rope dims), requests packed by cu_seqlens_q.
-    kv_cache: [num_pages, page_size, 576], q's dtype or float8_e4m3fn (dequantised by kv_scale);
-        K is the whole row, V its first 512 dims.
-    block_tables: [B, max_pages] int32; entries past a request's length are never read.
-    seq_lens: [B] int32 kv length including the request's new tokens (already in the cache).
-    cu_seqlens_q: [B + 1] int32 query offsets; query i of request b sits at kv index
-        seq_lens[b] - q_len_b + i. q_len_b <= max_q_len (a static host bound).
-    custom_mask: [B, max_q_len, M] bool or None (causal). With a mask, kv indices before
-        seq_lens[b] - M are visible and index j after that iff custom_mask[b, i, j - (seq_lens[b] - M)].
-    out: [T, H, 512] in q's dtype, written in place if given.
-    num_splits: split-KV count override (default: plan_launch's, from static sizes).
-    max_kv_len: a host-side bound on the kv lengths to plan for (default: the longest sequence the
-        block table can hold, its width in tokens). Only the launch's tile and split count follow
-        it: a request past it is still attended exactly, by the plan for shorter ones. Tables as
-        wide as an engine's longest context plan every launch for that context, which short
-        requests pay for (H100, benchmarks/results/mla_kernels_table131072.log against
-        mla_kernels.log, tables of 128k rows against the requests' length: 1 x 1k x 16 heads 10.5
-        against 7.2 us, 1 x 4k x 16 heads 11.6 against 8.5, 1 x 1k x 16 heads x q_len 4 10.2
-        against 7.3, 8 x 1k x 16 heads 12.5 against 11.4); under CUDA graphs, a caller that
-        captures a graph per context bucket passes the bucket's bound (kv_plan_bounds: where the
-        plan changes). Two launches a call
-        instead, a narrow-tile one for the short requests and the long plan's for the rest, each
-        skipping the other's requests, cost 1.5-4 us more than either plan alone: one more kernel
-        in the chain of dependent launches.
-
-    Returns out [T, H, 512]. Softmax is fp32 with scale sm_scale; a query that sees no key
-    (e.g. seq_lens 0 padding) outputs 0. Rows past cu_seqlens_q[B] are not written. Never
-    synchronises with the host; the launch grid depends only on shapes, so it is graph-safe.
-    So the device metadata is not checked (that would synchronise): a request of more than
-    max_q_len queries, a seq_len past its block-table row or a decreasing cu_seqlens_q give
-    undefined results, and page ids past num_pages undefined reads.
+    q ``[T, H, 576]`` bf16/fp16 packed by cu_seqlens_q ``[B + 1]`` int32; kv_cache ``[num_pages,
+    page_size, 576]`` in q's dtype or float8_e4m3fn (times kv_scale; K the row, V its first 512);
+    block_tables ``[B, max_pages]`` int32; seq_lens ``[B]`` int32 kv lengths, new tokens included and
+    cached: query i of request b is kv index ``seq_lens[b] - q_len_b + i`` (q_len_b <= max_q_len).
+    custom_mask ``[B, max_q_len, M]`` bool shows the last M kv indices, or None: causal. Returns out
+    ``[T, H, 512]`` in q's dtype (in place if given): fp32 softmax by sm_scale, 0 where a query sees
+    nothing, rows past cu_seqlens_q[B] unwritten. The grid follows shapes only, so device metadata
+    goes unchecked: more queries than max_q_len, a seq_len past its table row, a decreasing
+    cu_seqlens_q or page ids past num_pages are undefined. num_splits overrides the plan's;
+    max_kv_len bounds the kv lengths the plan is for (default: the table's capacity; a longer request
+    is still exact): graph callers pass a bucket's bound (kv_plan_bounds; docs/kernels.md).
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask, out, num_splits,
                   max_kv_len, sm_scale, kv_scale)
@@ -414,21 +394,21 @@ def plan_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor
              max_kv_len: int | None = None) -> tuple[LaunchPlan, KernelConfig]:
     """The plan and kernel config mla_paged_attention launches with for these (checked) inputs:
     for max_kv_len, at most the longest sequence the block table and the cache can hold (the
-    default), on the wgmma kernel where it serves (triton_mla_wgmma.supports, asked once)."""
+    default), on the wgmma kernel where it serves (wgmma_tile.supports, asked once)."""
     capacity = _capacity(kv_cache, block_tables.shape[1])
     max_kv_len = capacity if max_kv_len is None else min(max_kv_len, capacity)
-    wgmma = triton_mla_wgmma.supports(q, kv_cache)
+    wgmma = wgmma_tile.supports(q, kv_cache)
     plan = plan_launch(block_tables.shape[0], q.shape[1], max_q_len, max_kv_len, _num_sms(q.device), wide_tiles=wgmma)
     return plan, launch_config(plan, wgmma)
 
 
 def kv_plan_bounds(q: torch.Tensor, kv_cache: torch.Tensor, table_width: int, batch_size: int,
                    max_q_len: int) -> tuple[int, ...]:
-    """triton_mla_plan.plan_bounds of mla_paged_attention's launches over queries like ``q``
+    """plan.plan_bounds of mla_paged_attention's launches over queries like ``q``
     ([T, H, 576]), this cache and block tables ``table_width`` pages wide: the max_kv_len values
     below the tables' capacity for which plan_for plans other launches than the next longer one."""
     return plan_bounds(batch_size, q.shape[1], max_q_len, _capacity(kv_cache, table_width),
-                       _num_sms(q.device), triton_mla_wgmma.supports(q, kv_cache))
+                       _num_sms(q.device), wgmma_tile.supports(q, kv_cache))
 
 
 def _capacity(kv_cache: torch.Tensor, table_width: int) -> int:
@@ -488,19 +468,19 @@ def _launch(
                num_splits, custom_mask.shape[2] if has_mask else 0, qk_scale, kv_scale)
     # Both attention kernels are programmatic dependents of the kernel before them (SM90+): they are
     # set up as its programs exit, not after it completes, and wait for it before their first load
-    # (H100: 0.5-0.8 us off every latency-bound launch, e.g. 1 x 4k x 16 heads 10.0 -> 9.3 us).
+    # (a fraction of a microsecond off every latency-bound launch: docs/kernels.md).
     pdl = _has_pdl(q.device)
     constants = dict(PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
                      MIN_CHUNK=min_chunk, HAS_MASK=has_mask, DIRECT=direct, PDL=pdl)
     row_blocks = num_row_blocks(num_heads, max_q_len, tile)
     if config.wgmma:
-        q_descs = row_descriptors(q, triton_mla_wgmma.query_box_rows(tile.block_h))
+        q_descs = row_descriptors(q, wgmma_tile.query_box_rows(tile.block_h))
         kv_descs = row_descriptors(kv_cache, config.block_n)
-        triton_mla_wgmma._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
+        wgmma_tile._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
             *q_descs, *kv_descs, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
             block_tables.stride(0), *scalars,
             **constants, NUM_STAGES=config.num_stages, KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
-            num_warps=triton_mla_wgmma.NUM_WARPS, launch_pdl=pdl,
+            num_warps=wgmma_tile.NUM_WARPS, launch_pdl=pdl,
         )
     else:
         _mla_attention_kernel[(row_blocks * config.v_split, num_splits, batch_size)](
@@ -529,8 +509,7 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     num_tokens, num_heads, _ = out.shape
     # Tiles of ~4096 partial values: all splits in one load up to 128 (MAX_SPLITS), with narrower
     # row slices as splits grow, so more programs share the work; a second load, a dependent round
-    # trip, cost more than the 64-byte slices of 128 splits (H100: 1 x 16k x 16 heads x q_len 4
-    # 17.9 -> 16.9 us, 1 x 4k x 16 heads 8.8 -> 8.5). Past 128 splits, loads of 128 in a stream.
+    # trip, cost more than the 64-byte slices of 128 splits. Past 128 splits, loads of 128 in a stream.
     splits_p2 = next_pow2(num_splits)
     block_d = max(32, min(KV_LORA_RANK, 4096 // splits_p2))
     split_block = min(splits_p2, 4096 // block_d)
@@ -539,34 +518,13 @@ def _merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
         line_values = discard_line_values(o_part.element_size(), block_d, o_part.data_ptr(), o_part.stride()[:3])
     # 16-bit partials: warps only along the row slice. Their loads are 8 values a thread, and with
     # warps along the splits the sum over them is a shared-memory exchange of 8 fp32 a thread,
-    # whose bank conflicts cost more than the loads (H100, 32 tokens x 128 heads x 2 splits: 22.3 us
-    # at 4 warps, 5.2 at 2). fp32 partials (4 values a thread) keep 4 warps: in small grids the
-    # extra warps' loads gain more than their exchange costs (1 x 16k x 16 heads: 14.9 -> 14.7 us).
+    # whose bank conflicts cost more than the loads. fp32 partials (4 values a thread) keep 4 warps:
+    # in small grids the extra warps' loads gain more than their exchange costs.
     num_warps = 4 if o_part.element_size() == 4 else max(1, min(4, block_d // 256))
     # A programmatic dependent launch (SM90+) is set up as the attention kernel's programs exit,
-    # not after the kernel completes, and waits for the partials in the kernel (H100: 1 x 1k x 16
-    # heads 8.2 -> 7.6 us; the other split launches within noise). Measured and dropped (H100, graphs
-    # of back-to-back launches): merging in the attention grid instead (each warpgroup counted its
-    # stores into its row block's counter; once all had, the first splits merged a piece each; a
-    # cooperative launch), 1 x 1k x 128 heads x q_len 4 10.4 -> 13.0 us: the wait for the last
-    # split alone cost 1.7 us of the reduce's 2.5. Merging in thread-block clusters (a prototype
-    # kernel: a row block's 8 splits in one 8-program cluster, barrier.cluster, then each program
-    # merging 64 of the 512 columns from L2): 0-1.0 us under the reduce (512 rows x 1k x 8 splits
-    # 21.3 -> 20.9 us), the barrier alone 0-0.5 us; the 16-program clusters that the latency-bound
-    # plans' 16-128 splits would need ran twice as slow (16 splits: 16.6 -> 30.7 us). On-chip
-    # exchange through distributed shared memory is out of reach in Triton 3.6's Gluon: with
-    # num_ctas > 1 and a cga_layout, a reduction across CTAs fails an assertion (isReduceWithinCTA)
-    # and a convert_layout across them fails to lower (nvvm.mapa on a shared-memory pointer).
-    # griddepcontrol.launch_dependents early in the attention kernel (the reduce's programs crowd
-    # the few idle SMs: 11.0 -> 12.6 us there) or in the reduce (the next launch's programs hold
-    # registers the reduce's still need: 0.4-0.7 us faster on most split launches, 1.0-1.6 us
-    # slower on four of 16). Nor at the end of both attention kernels' kv loops (the 48 shapes of
-    # the benchmark's table in one process): slower on split launches (1 x 1k x 128 heads x q_len
-    # 4 11.1 -> 13.1 us, 8 x 1k x 16 heads x q_len 4 13.3 -> 15.6) and within noise on one-split
-    # ones, whose next launch waits for them all the same (128 x 1k x 16 heads x q_len 4 64.1 ->
-    # 64.2). Nor does the reduce's shared-memory carveout matter: set to all shared (as the big
-    # attention tiles ask for), so that an SM need not reconfigure between the kernels, 16
-    # latency-bound launches moved within 0.25 us either way (H200).
+    # not after the kernel completes, and waits for the partials in the kernel. Merging in the
+    # attention grid, in thread-block clusters, or with earlier launch_dependents was slower
+    # (docs/kernels.md).
     pdl = _has_pdl(out.device)
     _mla_reduce_kernel[(num_tokens, num_heads, KV_LORA_RANK // block_d)](
         o_part, lse, out, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_splits,

@@ -21,7 +21,7 @@ class TritonMLABackend(RaggedKernelBackend):
 
     def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask,
                            max_seq_len):
-        from attn.triton_mla_kernel import mla_paged_attention
+        from attn.kernels.triton_mla.kernel import mla_paged_attention
 
         out = mla_paged_attention(
             query.to(self._query_dtype()), kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len,
@@ -31,11 +31,10 @@ class TritonMLABackend(RaggedKernelBackend):
 
     def kv_len_bounds(self, batch_size: int, q_len: int) -> tuple[int, ...]:
         """The kv lengths up to which the kernel plans another launch than for the next longer
-        one (triton_mla_kernel.kv_plan_bounds): the latency-bound narrow Triton tile where the
-        longest context's plan runs the wgmma tile, and fewer splits for shorter contexts (H100,
-        tables 128k tokens wide against the requests' length: 1 x 1k x 16 heads 10.5 against 7.2
-        us; benchmarks/results/mla_kernels_table131072.log)."""
-        from attn.triton_mla_kernel import kv_plan_bounds
+        one (attn.kernels.triton_mla.kernel.kv_plan_bounds): the latency-bound narrow Triton tile
+        where the longest context's plan runs the wgmma tile, and fewer splits for shorter contexts,
+        which a plan for the longest context would leave empty (docs/kernels.md)."""
+        from attn.kernels.triton_mla.kernel import kv_plan_bounds
 
         cache = self.kv.kv_buffers[0]
         query = cache.new_empty(1, self.layer.num_heads, KV_DIM, dtype=self._query_dtype())

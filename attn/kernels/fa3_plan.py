@@ -3,18 +3,16 @@
 FlashInfer's MLA kernel is persistent: cluster ``c`` runs work items ``work_indptr[c] ..
 work_indptr[c + 1]``, each one query tile of one request over one kv range; the tiles whose kv
 was split write partial outputs, which merge CTAs combine after a grid-wide sync. FlashInfer
-fills that schedule on the host from host kv lengths (``MLAPlan`` in scheduler.cuh: a sync, and
-0.6-1 ms of host time per pass on the H100 host). This module builds a schedule of the same
-form on the device from device kv lengths, with static shapes, so it runs inside a CUDA graph
-and needs no host sync: the same kv split length, work items and partial/merge layout as
-MLAPlan, but work items go to clusters as contiguous runs of about equal cost where MLAPlan uses
-a min-heap. Which cluster runs a work item does not change the result: every partial output has
-its own rows and the merge reads them in the same order.
+fills that schedule on the host from host kv lengths (``MLAPlan`` in scheduler.cuh: a sync per
+pass). This module builds a schedule of the same form on the device from device kv lengths, with
+static shapes, so it runs inside a CUDA graph and needs no host sync: the same kv split length,
+work items and partial/merge layout as MLAPlan, but work items go to clusters as contiguous runs
+of about equal cost where MLAPlan uses a min-heap. Which cluster runs a work item does not change
+the result: every partial output has its own rows and the merge reads them in the same order.
 
-One Triton program writes the whole schedule straight into FlashInfer's int workspace: 5-16 us
-of GPU time per pass on an H100 (batch 1-64), where the whole-tensor torch version
-(tests/fa3_reference.py, the kernel's reference) is ~130 kernels and ~190 us. Uniform query
-lengths only (decode, draft steps, verify, draft-extend): the tile count per request is then
+One Triton program writes the whole schedule straight into FlashInfer's int workspace (its
+reference, in whole-tensor torch ops: tests/fa3_reference.py; timings: docs/kernels.md). Uniform
+query lengths only (decode, draft steps, verify, draft-extend): the tile count per request is then
 static.
 """
 
@@ -136,7 +134,7 @@ def _schedule_kernel(
     a tile's work items and merge CTAs are consecutive, so their positions are prefix sums over
     tiles and each item is written by its tile's lane in a loop over chunk indices. NUM_REQ (the
     batch size) is a runtime argument: eager passes, whose batch size changes as requests finish,
-    compile once per power of two of lanes (R_P2), not once per batch size (H100: 0.3-0.5 s each)."""
+    compile once per power of two of lanes (R_P2), not once per batch size."""
     lane = tl.arange(0, R_P2)
     is_tile = lane < NUM_REQ * NUM_TILES
     req = lane // NUM_TILES

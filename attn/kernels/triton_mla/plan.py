@@ -1,4 +1,4 @@
-"""Launch planning of the Triton MLA kernels (attn/triton_mla_kernel.py): the tile, kernel config
+"""Launch planning of the Triton MLA kernels (attn/kernels/triton_mla/kernel.py): the tile, kernel config
 and split-KV count of a launch from static sizes only (batch, heads, max_q_len, the longest
 possible sequence, SM count), so a plan never reads a GPU value and a launch can be captured in a
 CUDA graph. Host-side logic: it imports without Triton and is tested on the CPU.
@@ -8,8 +8,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from attn import triton_mla_wgmma
-from attn.base import is_int
+from attn.kernels.triton_mla import wgmma as wgmma_tile
+from attn.values import is_int
 
 MAX_ROWS = 64  # (query tokens x heads) per program: one wgmma-sized M tile
 MAX_SPLITS = 128  # bounds the workspace and the reduce
@@ -38,7 +38,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     v_split: int = 1  # programs sharing one tile's 512 output dims (each computes all of QK^T)
-    wgmma: bool = False  # 64-row tiles: the Gluon kernel of attn/triton_mla_wgmma.py (SM90)
+    wgmma: bool = False  # 64-row tiles: the Gluon kernel of attn/kernels/triton_mla/wgmma.py (SM90)
 
 
 def next_pow2(n: int) -> int:
@@ -77,8 +77,13 @@ def min_split_len(tile: TileShape, narrow: bool) -> int:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Tile, launch parameters and split-KV count of one attention launch; ``discard_partials``:
-    the reduce drops the partials' lines from L2 once read (see plan_launch)."""
+    """Tile, launch parameters and split-KV count of one attention launch.
+
+    discard_partials: the reduce drops the partials from L2 once read (discard.global.L2, where its
+    programs read whole 128-byte lines: discard_line_values), so that L2 never writes the dead
+    lines back to HBM, where they take the bandwidth of the kv streams that follow. Split launches
+    of at least DISCARD_MIN_TOKENS only: in shorter ones the discards cost more than the write-back.
+    """
 
     tile: TileShape
     config: KernelConfig
@@ -88,45 +93,15 @@ class LaunchPlan:
 
 def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int, num_sms: int,
                 wide_tiles: bool = False) -> LaunchPlan:
-    """Tile and split-KV count for a launch, from static sizes only (CUDA-graph safe).
+    """Tile and split-KV count for a launch of ``batch_size`` requests, from static sizes only
+    (CUDA-graph safe). max_kv_len: the longest sequence planned for (e.g. block-table width x page
+    size); wide_tiles: 64-row tiles run on the Gluon wgmma kernel (launch_config).
 
-    With ``wide_tiles`` (the launch runs 64-row tiles on the Gluon wgmma kernel: launch_config)
-    a narrower tile is first widened to 64 rows, more query tokens a program with the surplus
-    rows masked, unless even that tile's most splits would give less than a quarter wave (the
-    halving rule below), or the narrow tile's whole-wave splits would leave each of its programs
-    less kv than two of the wide tile's kv tiles. A wgmma tile a quarter full still streams kv
-    faster than the narrow Triton tiles (H100, 16 heads x q_len 1: 128 x 1k 67.4 -> 59.2 us, 8 x
-    16k 68.6 -> 62.5 us, 1 x 16k 19.4 -> 16.7 us; x q_len 2: 1.1-1.5x, e.g. 32 x 4k 89.6 -> 67.8
-    us), but it starts slower (its query and two kv tiles before the first product), so on short
-    chunks the 16-row tile stays faster (1 x 1k x q_len 1: 8.4 us against 11.1; 8 x 1k, 32-row
-    chunks: 10.7 against 12.4).
-
-    The tile is tile_shape's, halved (query tokens first, then heads) down to 16 rows while even
-    the most splits its kv allows would give it less than a quarter wave of programs: such a
-    launch (few requests, short contexts) is latency-bound and gains more from twice the programs
-    than it loses to reading its kv once more per extra row block (H100: 1 x 1k x 128 heads 11.0
-    us at 32 rows, 9.9 at 16; 1 x 1k x 16 heads x q_len 4 10.9 and 7.9; at half a wave, 1 x 4k x
-    128 heads lost: 22.4 -> 24.5 us).
-
-    Splits: enough to give every SM its resident programs (programs_per_sm), in whole waves (a
-    second, nearly empty wave costs almost as much as the first), but none shorter than
-    min_split_len of the longest possible sequence (``max_kv_len``, e.g. block-table width x
-    page size), for the launch's partials (narrow_partials), and at most MAX_SPLITS. Per request
-    the kernel cuts its own length into this many chunks, so short requests just leave some
-    splits empty. With fp32 partials, half a wave measured faster for 64-row tiles of only
-    queries when chunks were short; with 16-bit ones a whole wave is as fast or faster there
-    (H100: 1 x 16k x 128 heads 23.3 -> 20.2 us, 8 x 1k x 128 heads 16.3 -> 15.6, 8 x 4k x 16
-    heads x q_len 4 27.0 -> 26.0; 32 x 1k x 16 heads x q_len 4 27.4 either way). The count is
-    then cut to the chunks the longest sequence fills (used_splits).
-
-    discard_partials: split launches of at least DISCARD_MIN_TOKENS (batch x max_kv_len) drop
-    their partials from L2 once the reduce has read them (discard.global.L2; where its programs
-    read whole 128-byte lines: discard_line_values), so that L2 never writes the dead lines back
-    to HBM, where they take the bandwidth of the kv streams that follow (H100, A/B in graphs of
-    back-to-back launches, ~8 MB of partials each: 8 x 16k x 16 heads x q_len 4 64.9 ->
-    61.8 us, 32 x 4k 66.9 -> 64.4, 8 x 4k 24.1 -> 22.4, 32 x 1k 25.9 -> 25.1, 32 x 1k x 128 heads
-    28.9 -> 28.2; below, in launches of a few microseconds, the discards cost more than the
-    write-back: 1 x 1k x 128 heads x q_len 4 11.1 -> 11.6, 8 x 1k x 128 heads 14.5 -> 14.9).
+    The tile is tile_shape's, widened to 64 rows where wide_tiles make that pay, then halved down
+    to 16 rows while even its most splits would give less than a quarter wave of programs. Splits
+    fill the SMs in whole waves, each chunk at least min_split_len, at most MAX_SPLITS, cut to the
+    chunks max_kv_len fills (used_splits); the kernel cuts each request's own length into that many
+    chunks, so short requests leave some empty. Measurements behind each rule: docs/kernels.md.
     """
     _check_sizes("plan_launch", batch_size, num_heads, max_q_len, max_kv_len, num_sms)
 
@@ -141,6 +116,10 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
 
     tile = tile_shape(num_heads, max_q_len)
     config, slots, per_split, min_chunk, cap = waves(tile)
+    # A wgmma tile a quarter full still streams kv faster than the narrow Triton tiles, but starts
+    # slower (its query and two kv tiles before the first product): widen unless even the wide
+    # tile's most splits give under a quarter wave, or the narrow tile's whole-wave chunks are
+    # shorter than two of the wide tile's kv tiles.
     if wide_tiles and tile.rows < MAX_ROWS:
         narrow_chunk = chunk_len(max_kv_len, _whole_wave_splits(slots, per_split, cap), config.block_n, min_chunk)
         wide = TileShape(tile.block_h, MAX_ROWS // tile.block_h)
@@ -148,9 +127,12 @@ def plan_launch(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
         wide_config, wide_slots, wide_per_split, _, wide_cap = wide_waves
         if 4 * wide_per_split * wide_cap >= wide_slots and narrow_chunk >= 2 * wide_config.block_n:
             tile, (config, slots, per_split, min_chunk, cap) = wide, wide_waves
+    # Latency-bound (few requests, short contexts): twice the programs gain more than reading the
+    # kv once more per extra row block costs.
     while tile.rows > 16 and 4 * per_split * cap < slots:
         tile = TileShape(tile.block_h, tile.block_q // 2) if tile.block_q > 1 else TileShape(tile.block_h // 2, 1)
         config, slots, per_split, min_chunk, cap = waves(tile)
+    # Whole waves: a second, nearly empty wave costs almost as much as the first.
     num_splits = used_splits(max_kv_len, _whole_wave_splits(slots, per_split, cap), config.block_n, min_chunk)
     return LaunchPlan(tile, config, num_splits, num_splits > 1 and batch_size * max_kv_len >= DISCARD_MIN_TOKENS)
 
@@ -193,10 +175,8 @@ def plan_bounds(batch_size: int, num_heads: int, max_q_len: int, max_kv_len: int
     next longer bound's.
 
     A request runs the plan of the bound it is planned for cut to its own length, so a plan for a
-    much longer one leaves most of its splits empty: their programs and the reduce's reads of
-    their partials (H100, tables 128k tokens wide against the requests' length: 1 x 4k x 16 heads
-    x q_len 4, 128 splits of which 64 hold kv, 13.6 against 10.9 us with 64; under the narrow
-    limit's bound, 1 x 1k x 16 heads, 128 splits of which 32 do, 7.6 against 6.5 with 32)."""
+    much longer one leaves most of its splits empty, and pays for their programs and the reduce's
+    reads of their partials (docs/kernels.md)."""
     _check_sizes("plan_bounds", batch_size, num_heads, max_q_len, max_kv_len, num_sms)
 
     def plan(kv_len: int) -> tuple:
@@ -223,8 +203,7 @@ def chunk_len(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int
 def used_splits(kv_len: int, num_splits: int, block_n: int, min_chunk: int) -> int:
     """How many of num_splits chunks (chunk_len) a sequence of kv_len rows fills: the last splits of
     a count that does not divide it evenly stay empty (1 x 16k x 128 heads: 66 splits of 256 rows
-    fill 64), and their programs and the reduce's second pass over them are wasted (H100: 20.8 ->
-    19.5 us at 64)."""
+    fill 64), and their programs and the reduce's second pass over them are wasted."""
     return max(1, min(num_splits, math.ceil(kv_len / chunk_len(kv_len, num_splits, block_n, min_chunk))))
 
 
@@ -239,11 +218,9 @@ def _whole_wave_splits(slots: int, per_split: int, cap: int) -> int:
 
 def launch_config(plan: LaunchPlan, wgmma: bool) -> KernelConfig:
     """The plan's config, on the Gluon wgmma kernel where it serves the tile: 64 rows, and
-    ``wgmma`` (triton_mla_wgmma.supports: SM90, a cache in q's 16-bit dtype or fp8, pages of
-    whole 64-row kv tiles). On an H100 its first version was 1.1-1.5x faster than the Triton tile
-    there; warp specialisation gained up to 1.45x more at 128 heads (0.98-1.06x at 16 heads x
-    q_len 4)."""
-    if wgmma and plan.tile.rows == triton_mla_wgmma.BLOCK_M:
+    ``wgmma`` (wgmma_tile.supports: SM90, a cache in q's 16-bit dtype or fp8, pages of
+    whole 64-row kv tiles)."""
+    if wgmma and plan.tile.rows == wgmma_tile.BLOCK_M:
         return dataclasses.replace(plan.config, wgmma=True)
     return plan.config
 
@@ -253,16 +230,9 @@ def narrow_partials(config: KernelConfig, num_heads: int, max_q_len: int) -> boo
 
     A partial is normalised over its own chunk, a convex combination of V rows, so rounding it
     costs about what rounding the output does, and it halves the bytes every program writes and
-    the merge reads (H100: 1 x 4k x 128 heads x q_len 4 22.8 -> 17.4 us, 8 x 1k x 128 heads x q_len 4
-    30.5 -> 25.0, 8 x 16k x 16 heads x q_len 4 73.4 -> 66.8). Not on a widened wgmma tile (rows
-    of no query): it writes few rows, and its 16-bit store goes through shared memory for the
-    whole tile, which cost more than it saved (1 x 16k x 16 heads x q_len 1: 15.4 -> 16.0 us); stored
-    straight from the wgmma layout, only the query rows, no faster either (in one process: 14.1 ->
-    14.4 us, x q_len 2 16.9 -> 17.7, 8 x 4k 21.4 -> 21.2, 32 x 1k 21.5 -> 21.4). Nor where the
-    partials' bytes are a larger share, through the staging (H200, graphs, one process, 16 heads x
-    q_len 1): 8 x 16k 45.8 -> 45.5 us, 32 x 4k 45.8 -> 46.2, 32 x 16k 157.3 -> 156.3, 64 x 4k 82.4 ->
-    81.6, 8 x 16k x q_len 2 47.9 -> 46.9: within 2% either way, short of what 0.8 of the roofline
-    needs there.
+    the merge reads. Not on a widened wgmma tile (rows of no query): it writes few rows, and its
+    16-bit store goes through shared memory for the whole tile, which cost more than it saved
+    (docs/kernels.md).
     """
     return not config.wgmma or queries_fill_tiles(num_heads, max_q_len)
 
@@ -281,11 +251,10 @@ def select_config(tile: TileShape) -> KernelConfig:
     thread) and 64-row kv tiles use two ~72 KB shared-memory buffers.
 
     On SM90 a 64-row tile over a 16-bit or fp8 cache with 64-row-aligned pages runs the Gluon kernel
-    instead (launch_config; attn/triton_mla_wgmma.py), with the same block_n and num_stages.
+    instead (launch_config; attn/kernels/triton_mla/wgmma.py), with the same block_n and num_stages.
 
-    v_split=2 (two programs per 64-row tile, each computing all of QK^T for 256 output dims;
-    num_warps=4, block_n=16 lets two of them share an SM) removes the spills but measured
-    10-40% slower at 128 heads than the duplicated-QK 8-warp tile, so it stays off by default.
+    v_split=2 (two programs per 64-row tile, each computing all of QK^T for 256 output dims)
+    removes the spills but is slower at 128 heads than the duplicated-QK 8-warp tile: off.
     """
     if tile.rows <= 16:
         return KernelConfig(block_n=32, num_warps=4, num_stages=2)

@@ -1,0 +1,1 @@
+"""The attention backends: one class per kernel family, each a PagedMLABackend overriding only its kernel call."""
