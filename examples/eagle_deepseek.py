@@ -17,15 +17,21 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 
+from attn.base import KV_DIM, KV_DTYPES
+from attn.registry import backend_names
 from specdec.baseline import GreedyDecoder, sequence_logits
-from attn.base import KV_DTYPES
-from specdec.config import ConfigError, SpecConfig
+from specdec.config import SpecConfig
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
 from specdec.sampling import SamplingParams
@@ -54,6 +60,8 @@ def load_models(checkpoint: str | None, device: torch.device, dtype: torch.dtype
         print(f"{DEFAULT_OUT} not found: train it with `python examples/train_tiny.py` (one GPU, a few minutes); "
               "running a randomly initialised tiny model instead (expect short accept lengths)")
         return tiny_default(device, dtype)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError("not an HF-format checkpoint directory (no config.json in it)")
     print(f"model: {path}")
     target = load_deepseek(str(path), dtype, device)
     return target, load_mtp(str(path), dtype, device, target=target)
@@ -61,13 +69,76 @@ def load_models(checkpoint: str | None, device: torch.device, dtype: torch.dtype
 
 def stdlib_prompts(n: int, max_len: int) -> list[tuple[str, list[int]]]:
     """(file name, bytes) of n held-out stdlib files: each file's first max_len bytes, cut after
-    their last newline (files reused in turn if n exceeds them)."""
-    files = stdlib_files(heldout=True)
-    out = []
-    for i in range(n):
-        head = files[i % len(files)].read_bytes()[:max_len]
-        out.append((files[i % len(files)].name, list(head[: head.rfind(b"\n") + 1] or head)))
-    return out
+    their last newline (files reused in turn if n exceeds them: one list per file, shared)."""
+    files = stdlib_files(heldout=True)[:n]
+    heads = [f.read_bytes()[:max_len] for f in files]
+    heads = [list(head[: head.rfind(b"\n") + 1] or head) for head in heads]
+    return [(files[i % len(files)].name, heads[i % len(files)]) for i in range(n)]
+
+
+# The SpecConfig fields (and SamplingParams') this example sets, as the flags that set them: a
+# refusal of the library names the field; the user typed the flag.
+FLAGS = {
+    "attention_backend": "--backend", "decode_backend": "--backend", "prefill_backend": "--backend",
+    "num_steps": "--num-steps", "topk": "--topk", "num_draft_tokens": "--num-draft-tokens",
+    "kv_dtype": "--kv-dtype", "page_size": "--page-size", "max_batch_size": "--batch-size",
+    "max_context_len": "the context length (--prompt-len + --max-new-tokens)", "max_new_tokens": "--max-new-tokens",
+    "enable_sampling": "--temperature", "temperature": "--temperature",
+}
+
+
+def as_flags(message: str) -> str:
+    """message with each setting of FLAGS named by its flag, ``name=value`` as ``flag value``:
+    "set attention_backend to one of [...]" -> "set --backend to one of [...]",
+    "use topk=1" -> "use --topk 1", "kv_dtype='auto' is" -> "--kv-dtype auto is"."""
+    pattern = rf"\b({'|'.join(FLAGS)})\b(?:=('?)([\w.+-]+)\2)?"
+    return re.sub(pattern, lambda m: FLAGS[m[1]] + (f" {m[3]}" if m[3] else ""), message)
+
+
+def context_len(longest_prompt: int, max_new_tokens: int, cfg: SpecConfig) -> int:
+    """Block-table width for these requests: prompt, new tokens and the tree's headroom, rounded up
+    to whole pages and 128-token blocks (every backend's table width: cutedsl_mla's needs them)."""
+    step = math.lcm(128, cfg.page_size)
+    return step * -(-(longest_prompt + max_new_tokens + cfg.spec_headroom) // step)
+
+
+def spec_config(args: argparse.Namespace, backend: str, page_size: int, batch: int, longest_prompt: int) -> SpecConfig:
+    """The SpecConfig the flags ask for, sized for ``batch`` requests of prompts up to
+    ``longest_prompt`` tokens and --max-new-tokens each. Raises ConfigError naming the setting."""
+    cfg = SpecConfig(  # first one request of any context, for the tree's headroom
+        num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, attention_backend=backend,
+        kv_dtype=args.kv_dtype, page_size=page_size, max_batch_size=1,
+        max_context_len=math.lcm(128, page_size) << 13, enable_sampling=args.temperature > 0,
+    )
+    return dataclasses.replace(cfg, max_batch_size=batch,
+                               max_context_len=context_len(longest_prompt, args.max_new_tokens, cfg))
+
+
+def kv_memory_refusal(cfg: SpecConfig, target: DeepseekV3ForCausalLM, draft: DeepseekMTP) -> Optional[str]:
+    """Why the batch's KV caches would not fit the device's free memory (None: they fit, or the
+    free memory is unknown): the worker's target and draft pools and target-only decoding's pool,
+    each of cfg.pool_pages pages of 576-wide rows per layer."""
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype if cfg.kv_dtype == "auto" else KV_DTYPES[cfg.kv_dtype]
+    layers = 2 * target.num_attention_layers + draft.num_attention_layers
+    need = cfg.pool_pages * cfg.page_size * KV_DIM * dtype.itemsize * layers
+    free = free_memory(device)
+    if free is None or need <= free:
+        return None
+    return (f"--batch-size {cfg.max_batch_size}: the KV caches of {cfg.max_batch_size} requests of up to "
+            f"{cfg.max_context_len} tokens need about {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
+            f"free on {device}; lower --batch-size (or --prompt-len, --max-new-tokens)")
+
+
+def free_memory(device: torch.device) -> Optional[int]:
+    """Bytes free on device (a GPU's, or the host's MemAvailable); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 @dataclass
@@ -83,23 +154,30 @@ class Measurement:
     spec_tok_s: float
 
 
-def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[list[int]], args: argparse.Namespace,
-            device: torch.device, backend: str) -> tuple[Measurement, SpecConfig]:
+def build_worker(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[list[int]],
+                 args: argparse.Namespace, backend: str, page_size: int) -> EagleWorker:
+    """The worker for this batch (its config from the flags), with its CUDA graphs under
+    --cuda-graph. Raises ValueError naming the setting (ConfigError: the config's and the worker's
+    refusals) or, where the KV caches would not fit, the flags to lower."""
+    cfg = spec_config(args, backend, page_size, len(prompts), max(map(len, prompts)))
+    refusal = kv_memory_refusal(cfg, target, draft)
+    if refusal:
+        raise ValueError(refusal)
+    with torch.inference_mode():  # (the worker's tensors, as measure's decoding, are inference tensors)
+        worker = EagleWorker(target, draft, cfg)
+        if args.cuda_graph:
+            worker.capture_graphs()
+    return worker
+
+
+def measure(worker: EagleWorker, target: DeepseekV3ForCausalLM, prompts: list[list[int]], args: argparse.Namespace,
+            device: torch.device) -> Measurement:
     """Decode prompts target-only (greedy) and with spec decoding, each after a warm-up and then
     ``args.repeats`` times (tokens/s of the fastest run); both with CUDA graphs when asked (the
     baseline captures one decode step)."""
-    # A provisional config for its spec_headroom: one request of a context that fits any prompt.
-    cfg = SpecConfig(
-        num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, attention_backend=backend,
-        kv_dtype=args.kv_dtype, page_size=64 if device.type == "cuda" else 16, max_batch_size=1,
-        max_context_len=1 << 20, enable_sampling=args.temperature > 0,
-    )
-    # The longest prompt, its new tokens and the spec step's headroom, in whole 128-token blocks:
-    # every backend's table width (cutedsl_mla's needs them).
-    context = 128 * ((max(map(len, prompts)) + args.max_new_tokens + cfg.spec_headroom + 127) // 128)
-    cfg = dataclasses.replace(cfg, max_batch_size=len(prompts), max_context_len=context)
+    cfg = worker.config
     sampling = [SamplingParams(temperature=args.temperature, seed=i) for i in range(len(prompts))]
-    graphs = {"backend": backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph,
+    graphs = {"backend": cfg.attention_backend, "page_size": cfg.page_size, "cuda_graph": args.cuda_graph,
               "kv_dtype": KV_DTYPES.get(args.kv_dtype)}
 
     def target_only() -> tuple[list[list[int]], float]:
@@ -131,14 +209,9 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
         return reqs, accept, emitted, time.perf_counter() - start
 
     with torch.inference_mode():
-        worker = EagleWorker(target, draft, cfg)
-        if args.cuda_graph:
-            from graphs.runner import GraphRunner
-
-            GraphRunner(worker)
         # Warm-up (JIT, allocator; the kernels specialise on the context length), then the two
         # ways alternate, so drifting clocks hit both alike; the fastest of --repeats runs counts.
-        target_only(), spec(cfg.num_steps + 2)
+        target_only(), spec(min(cfg.num_steps + 2, args.max_new_tokens))  # (the context fits max_new_tokens)
         base_s, spec_s = float("inf"), float("inf")
         for _ in range(args.repeats):
             baseline, seconds = target_only()
@@ -147,7 +220,7 @@ def measure(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: list[lis
             spec_s = min(spec_s, seconds)
         base_tok_s = len(prompts) * (args.max_new_tokens - 3) / base_s
         spec_tok_s = sum(len(r.output) - 1 for r in reqs) / spec_s
-    return Measurement([r.output for r in reqs], baseline, accept, emitted, base_tok_s, spec_tok_s), cfg
+    return Measurement([r.output for r in reqs], baseline, accept, emitted, base_tok_s, spec_tok_s)
 
 
 def divergences(target: DeepseekV3ForCausalLM, prompts: list[list[int]], run: Measurement) -> list[str]:
@@ -195,76 +268,152 @@ def plot(path: str, main: Measurement, sweep: dict[int, Measurement], title: str
     print(f"wrote {path}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help=f"HF-format DeepSeek-V3 directory with an MTP layer (default: {DEFAULT_OUT})")
-    ap.add_argument("--backend", default=None, help="attention backend (default: torch_ref on CPU, triton_mla on CUDA)")
-    ap.add_argument("--num-steps", type=int, default=3)
-    ap.add_argument("--topk", type=int, default=1)
-    ap.add_argument("--num-draft-tokens", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=160, help="prompt bytes per file, at most (cut at a newline)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="at least 4: target-only timing skips three")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: rejection-sampling verification "
-                    "(the speedup is then against greedy target-only decoding)")
+    ap.add_argument("--checkpoint", metavar="DIR",
+                    help=f"HF-format DeepSeek-V3 directory with an MTP layer (default: {DEFAULT_OUT})")
+    ap.add_argument("--backend", default=None, choices=backend_names(), metavar="NAME",
+                    help=f"attention backend, one of {', '.join(backend_names())} "
+                         "(default: torch_ref on CPU, triton_mla on CUDA)")
+    ap.add_argument("--num-steps", type=int, default=3, metavar="N",
+                    help="draft forwards per step, the tree's depth (default %(default)s)")
+    ap.add_argument("--topk", type=int, default=1, metavar="K",
+                    help="branches kept per draft step (default %(default)s: a chain; > 1: a tree, needs "
+                         "--num-draft-tokens)")
+    ap.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                    help="tree nodes verified per request, the root included (default with --topk 1: --num-steps + 1)")
+    ap.add_argument("--batch-size", type=int, default=2, metavar="B",
+                    help="requests decoded together (default %(default)s; held-out stdlib files, reused past "
+                         "their number)")
+    ap.add_argument("--prompt-len", type=int, default=160, metavar="BYTES",
+                    help="prompt bytes per file, at most, cut at a newline (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                    help="tokens to generate per request (default %(default)s), at least 4: target-only timing "
+                         "skips three")
+    ap.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                    help="0 (default): greedy; > 0: rejection-sampling verification (the speedup is then against "
+                         "greedy target-only decoding)")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", *KV_DTYPES],
                     help="KV cache dtype (auto: the model's; tokenspeed_mla needs fp8_e4m3)")
-    ap.add_argument("--cuda-graph", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs each way; the fastest counts")
+    ap.add_argument("--page-size", type=int, default=None, metavar="TOKENS",
+                    help="tokens per KV page (default 64, which every backend takes; the Blackwell ones take 32 or 64)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture the spec step (and target-only decoding) as CUDA graphs: one launch a step; "
+                         "CUDA only")
+    ap.add_argument("--repeats", type=int, default=3, metavar="N",
+                    help="timed runs each way; the fastest counts (default %(default)s)")
     ap.add_argument("--plot", metavar="PATH", help="also time batch sizes 1, 2, 4, .. up to --batch-size; write a PNG")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (default: cuda where there is one)")
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """Refuse flag values the library would not name as flags (parser.error: exit 2); the device."""
     if args.max_new_tokens < 4:
         ap.error("--max-new-tokens must be at least 4: the target-only timing leaves out the first three tokens")
-    for flag in ("batch_size", "prompt_len", "repeats"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.cuda_graph and not args.device.startswith("cuda"):
-        ap.error("--cuda-graph needs --device cuda")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    for flag in ("batch_size", "prompt_len", "repeats", "page_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.topk == 1 and args.num_draft_tokens not in (None, args.num_steps + 1):
+        ap.error(f"with --topk 1 the tree is a chain of --num-steps + 1 = {args.num_steps + 1} tokens: leave "
+                 f"--num-draft-tokens out or set it to that, got {args.num_draft_tokens}")
+    try:
+        SamplingParams(temperature=args.temperature)
+    except ValueError as err:
+        ap.error(as_flags(str(err)))
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch has no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        ap.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if args.cuda_graph and device.type != "cuda":
+        ap.error("--cuda-graph needs --device cuda")
     if args.plot:
         try:
             import matplotlib  # noqa: F401  (checked now, not after the sweep)
         except ImportError:
             ap.error("--plot needs matplotlib (pip install matplotlib)")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            ap.error(f"--plot {args.plot}: no such directory")
+    return device
 
-    device = torch.device(args.device)
+
+def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
+    device = check_args(ap, args)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     backend = args.backend or ("torch_ref" if device.type == "cpu" else "triton_mla")
-    target, draft = load_models(args.checkpoint, device, dtype)
+    # Every backend takes 64-token pages: only a page size the user chose can draw the registry's
+    # warning (a Blackwell backend given another one uses 64).
+    page_size = args.page_size or 64
+    try:  # the flags' settings, checked before the model loads (the context once the prompts are known)
+        spec_config(args, backend, page_size, args.batch_size, 1)
+    except ValueError as err:  # ConfigError (a ValueError) names the setting; the user typed the flag
+        ap.error(as_flags(str(err)))
+    try:
+        target, draft = load_models(args.checkpoint, device, dtype)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as err:
+        ap.error(f"--checkpoint {args.checkpoint or DEFAULT_OUT}: {err}")
     vocab = target.config.vocab_size
+    if vocab < 256:
+        ap.error(f"--checkpoint {args.checkpoint}: its vocabulary of {vocab} tokens cannot take the byte prompts")
+
+    def out_of_memory(err: RuntimeError, batch: int) -> None:
+        """parser.error for torch.OutOfMemoryError or the CPU allocator's "can't allocate"; else re-raise."""
+        if not (isinstance(err, torch.OutOfMemoryError) or "allocate" in str(err)):
+            raise err
+        ap.error(f"--batch-size {batch}: out of memory on {device} ({str(err).splitlines()[0][:200]}); "
+                 "lower --batch-size (or --prompt-len, --max-new-tokens)")
+
+    def run(prompts: list[list[int]]) -> tuple[Measurement, SpecConfig]:
+        """measure() with a worker built for these prompts, and the worker's config."""
+        try:
+            worker = build_worker(target, draft, prompts, args, backend, page_size)
+        except ValueError as err:  # ConfigError (a ValueError) names the setting; the user typed the flag
+            ap.error(as_flags(str(err)))
+        except RuntimeError as err:
+            out_of_memory(err, len(prompts))
+        try:
+            return measure(worker, target, prompts, args, device), worker.config
+        except RuntimeError as err:
+            out_of_memory(err, len(prompts))
+
     named = stdlib_prompts(args.batch_size, args.prompt_len)
     prompts = [p for _, p in named]
-    try:
-        run, cfg = measure(target, draft, prompts, args, device, backend)
-    except ConfigError as err:  # settings the worker refuses (it names the one to change)
-        ap.error(str(err))
+    result, cfg = run(prompts)
 
     bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
-    for (name, prompt), out in zip(named, run.outputs):
+    for (name, prompt), out in zip(named, result.outputs):
         if bold:
             print(f"----- {name} (continuation in bold)\n{show(prompt, vocab)}{bold}{show(out, vocab)}{plain}")
         else:
             print(f"----- {name}\n{show(prompt, vocab)}\n----- continuation\n{show(out, vocab)}")
     print("-----")
-    mean_accept = sum(run.accept) / max(len(run.accept), 1)
+    mean_accept = sum(result.accept) / max(len(result.accept), 1)
     print(f"backend {backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, num_draft_tokens {cfg.num_draft_tokens}, "
           f"temperature {args.temperature}, batch {len(prompts)}, device {device}{', CUDA graphs' if args.cuda_graph else ''}")
     print(f"mean accept length: {mean_accept:.2f} drafted tokens/step "
-          f"({run.emitted / max(len(run.accept), 1):.2f} tokens/step emitted)")
-    print(f"decode tokens/s: target-only {run.base_tok_s:.1f}, spec {run.spec_tok_s:.1f}, "
-          f"speedup {run.spec_tok_s / run.base_tok_s:.2f}x")
+          f"({result.emitted / max(len(result.accept), 1):.2f} tokens/step emitted)")
+    print(f"decode tokens/s: target-only {result.base_tok_s:.1f}, spec {result.spec_tok_s:.1f}, "
+          f"speedup {result.spec_tok_s / result.base_tok_s:.2f}x")
     if args.temperature == 0:
-        same = sum(a == b for a, b in zip(run.outputs, run.baseline))
+        same = sum(a == b for a, b in zip(result.outputs, result.baseline))
         print(f"lossless (spec == target-only greedy): {same}/{len(prompts)} requests identical")
-        for line in divergences(target, prompts, run):
+        for line in divergences(target, prompts, result):
             print("  " + line)
     if args.plot:
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.batch_size]
-        sweep = {b: measure(target, draft, prompts[:b], args, device, backend)[0] for b in sizes} | {args.batch_size: run}
-        plot(args.plot, run, sweep, f"{backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, "
-                                    f"num_draft_tokens {cfg.num_draft_tokens}, temperature {args.temperature}")
+        sweep = {b: run(prompts[:b])[0] for b in sizes} | {args.batch_size: result}
+        plot(args.plot, result, sweep, f"{backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, "
+                                       f"num_draft_tokens {cfg.num_draft_tokens}, temperature {args.temperature}")
 
 
 def _sync(device: torch.device) -> None:
