@@ -1,7 +1,7 @@
 """What the spec step's CUDA graphs cost at start-up: graphs, capture seconds and memory per
 context length, with the kv-bound graphs (GraphRunner's default) and without (GPU). alloc_MiB:
 what capturing adds to torch.cuda.memory_allocated, the graphs' own tensors and cuBLAS's
-workspace (32 MiB on SM90, of which the graphs hold about 2); reserved: to memory_reserved once
+workspace (32 MiB on SM90); reserved: to memory_reserved once
 the cache is emptied (the segments the graphs' pool holds, and that workspace).
 
     python -m benchmarks.graph_capture [--contexts 4096,32768] [--backend triton_mla]
@@ -11,7 +11,7 @@ The bench model of benchmarks/spec_step.py, num_steps 3, batch buckets up to 64.
 configuration runs in a process of its own, after a warm-up process of the same configuration
 (Triton's compiles of new plans land in its disk cache there): in one process, the blocks of a
 freed graph pool would serve the next runner's capture and hide its memory. Prints a table,
-writes CSV and a PNG.
+writes CSV and a PNG; results and their dates: docs/benchmarks.md.
 """
 
 from __future__ import annotations

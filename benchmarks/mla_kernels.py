@@ -1,35 +1,28 @@
 """Paged MLA attention kernel benchmark: Triton kernel vs FlashInfer FA3 on one GPU.
 
-Every call is timed inside a CUDA graph (captured once, replayed many times, timed with CUDA
-events, a replay queued ahead of the start event so the host's launch is not timed); the two
-kernels' samples alternate. The KV cache is rotated between copies, ROTATE_BYTES a graph (5x the
-H100's L2), so that small cases do not run from L2. Roofline = max(KV bytes / measured copy
-bandwidth, FLOPs / 790 TFLOP/s) with KV bytes = tokens * 576 * 2 (--kv-dtype fp8: * 1) and
-FLOPs = tokens * heads * q_len * 1088 * 2. err / fa3_err: each kernel's largest error on the first
-request's output after the graph replays, against an fp32 attention, relative to the largest
-output value; fa3_diff: the largest difference between the two kernels' whole outputs (every
-request), on the same scale; check says BAD where err is past check_bound (2**-7, or twice FA3's
-error up to 2**-6) or fa3_diff past twice that. targets: the issue's targets that apply to the row
-and whether it meets them (2x FA3 where FA3 is below 0.4 of the roofline at q_len 1-4, else 0.9x;
-0.8 of the roofline where memory-bound and batch x seq_len >= 128k tokens); a count of each
-follows the table. Our kernels are programmatic dependent launches (SM90+; FlashInfer 0.7's FA3
-run() is not): each is set up while the kernel before it in the graph, here its own previous
-call, drains (0.5-0.8 us of a latency-bound call on the H100), as it is behind any kernel in an
-engine's step.
-
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--kv-dtype fp8]
                                      [--table-tokens 131072 [--kv-bound]] [--heads 4 --q-lens 1 4 16]
 
-Prints a table, writes it as CSV next to the PNG. sm_mhz and watts: the median SM clock and board
-power that nvidia-smi reads while our kernel's graph replays for half a second (sustained_clock).
-benchmarks/mla_tuning.py times, on the same cases, what retuning the kernels and their planner
-needs (other launches than the planned one, where the small launches' time goes).
---table-tokens sizes the block tables for a longer context than the requests' (mla_paged_attention
-plans a launch for the table's width unless given a max_kv_len); --kv-bound then plans each shape
-for the bound the graph runner's kv-bound graphs would replay for it. --heads and --q-lens replace
-the table's head counts (16, 128) and query lengths (1, 4), e.g. a tensor-parallel shard's heads.
-"""
+Every call is timed inside a CUDA graph (captured once, replayed many times, timed with CUDA events, a
+replay queued ahead of the start event so the host's launch is not timed); the two kernels' samples
+alternate, and the KV cache rotates between copies, ROTATE_BYTES a graph, so small cases do not run
+from L2. Roofline = max(KV bytes / measured copy bandwidth, FLOPs / PEAK_FLOPS), with KV bytes =
+tokens * 576 * 2 (--kv-dtype fp8: * 1) and FLOPs = tokens * heads * q_len * 1088 * 2. Columns beyond
+the shape and plan: err / fa3_err, each kernel's largest error on the first request's output against
+an fp32 attention, relative to the largest output value; fa3_diff, the largest difference between
+the two kernels' whole outputs, on that scale; check (output_check, check_bound); targets, the
+issue's targets that apply to the row and whether it meets them (targets), counted after the table;
+sm_mhz and watts, the median SM clock and board power while our kernel's graph replays
+(sustained_clock). Our kernels are programmatic dependent launches (SM90+): each is set up while the
+kernel before it in the graph (its own previous call) drains, as it would be in an engine's step.
 
+--table-tokens sizes the block tables for a longer context than the requests' (mla_paged_attention
+plans a launch for the table's width unless given a max_kv_len); --kv-bound then plans each shape for
+the bound the graph runner's kv-bound graphs would replay for it. --heads and --q-lens replace the
+table's head counts (16, 128) and query lengths (1, 4), e.g. a tensor-parallel shard's heads. Prints
+the table and writes it as CSV next to the PNG. benchmarks/mla_tuning.py retunes the kernels and
+their planner on the same cases; results and their dates: docs/benchmarks.md.
+"""
 import argparse
 import csv
 import itertools
@@ -59,8 +52,8 @@ ROOFLINE_TARGET_TOKENS = 128 * 1024  # batch x seq_len from which a memory-bound
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written: the
-    fastest of 20 copies, the ceiling the roofline needs (the median of 10 once read 2.79 TB/s on
-    an H100 that copied at 2.92-2.98 a minute later, which would have flattered every fraction)."""
+    fastest of 20 copies, the ceiling the roofline needs (a median can read low on a drifting board,
+    which would flatter every fraction of the roofline)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -130,9 +123,8 @@ def sustained_clock(calls: list, seconds: float = 0.5) -> tuple[float, float]:
     graph of `calls` replays back to back for `seconds`; NaN where nvidia-smi is missing or reads
     nothing (its plain power.draw averages over a second, longer than the load).
 
-    Under load the H100 here holds its 700 W cap by lowering the SM clock (128 heads, 128 x 16k:
-    a median of 1.41 GHz of its 1.98), which the roofline's fixed 790 TFLOP/s does not see: the
-    columns say how far below its own peak a row ran."""
+    Under load a board at its power cap lowers the SM clock, which the roofline's fixed PEAK_FLOPS
+    does not see: the columns say how far below its own peak a row ran."""
     nan = (float("nan"), float("nan"))
     if shutil.which("nvidia-smi") is None:
         return nan

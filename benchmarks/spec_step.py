@@ -9,11 +9,11 @@ its median thread CPU time, which leaves out time spent waiting for a core),
 host syncs in launch_step (torch's sync debug mode: implicit copies to the host and stream
 syncs; finish_step then waits on the step's one event by design), mean accept length, tokens/s
 with spec decoding (graphs where supported) and target-only (graphed where the spec step is); then
-graph capture time and memory. Uses the identity draft (the target as its own
-standalone draft) so nearly every step accepts num_steps tokens (2.90-3.00 of 3 in the committed
-run) and the numbers show the machinery's cost, not a draft model's quality. --sampling: every
-request samples (SAMPLING) through tree rejection sampling, and the identity draft then accepts
-less. Prints a table, writes CSV and a PNG.
+graph capture time and memory. Uses the identity draft (the target as its own standalone draft)
+so nearly every step accepts num_steps tokens and the numbers show the machinery's cost, not a
+draft model's quality. --sampling: every request samples (SAMPLING) through tree rejection
+sampling, and the identity draft then accepts less. Prints a table, writes CSV and a PNG; results
+and their dates: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
             finish.append(time.perf_counter() - t0)
             cpu[-1] += time.thread_time() - c0
         rounds.append((launch, finish, cpu))
-    # This host's speed drifts over seconds (a fixed Python loop has timed 7 to 36 ms, the one-graph
-    # replay 14 to 58 us): the round with the lowest median step is the host work, not the drift.
+    # A host's speed can drift over seconds (docs/benchmarks.md: the spec step's host time): the round
+    # with the lowest median step is the host work, not the drift.
     # The thread's CPU time (host_cpu_us) leaves out the time the thread waited for a core.
     launch, finish, cpu = min(rounds, key=lambda r: statistics.median(a + b for a, b in zip(*r[:2])))
     launched = []
@@ -121,8 +121,8 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
             torch.cuda.synchronize()
     gc.unfreeze()
     worker.abort(worker.requests)
-    # Medians per step: this host's scheduler adds spikes of 100 us and more to single steps. The
-    # mean of launch + finish (host_mean_us) also carries the rare page-crossing steps.
+    # Medians per step: a host's scheduler adds spikes to single steps. The mean of launch + finish
+    # (host_mean_us) also carries the rare page-crossing steps.
     host = [a + b for a, b in zip(launch, finish)]
     return {"step_ms": wall / steps * 1e3, "replay_us": statistics.median(replay) * 1e6,
             "launch_us": statistics.median(launch) * 1e6, "finish_us": statistics.median(finish) * 1e6,
@@ -207,9 +207,8 @@ def run_one(target, backend: str, bs: int, cfg: SpecConfig, prompts: list[list[i
 
 def target_only_tok_s(target, prompts: list[list[int]], backend: str, cuda_graph: bool, steps: int = 64) -> float:
     """Decode tokens/s of target-only greedy decoding in its steady state: ``steps`` steps of a
-    GreedyDecoder after its eager warm-up and capture, timed together. (Timing whole runs of two
-    lengths and taking the difference, as this did before, let the capture's garbage collection
-    and the prefill's jitter swamp the 32 steps between them: 113k tokens/s at batch 4 once.)"""
+    GreedyDecoder after its eager warm-up and capture, timed together, so that neither the
+    capture's garbage collection nor the prefill's jitter enters the time."""
     decoder = GreedyDecoder(target, prompts, steps + 3, backend=backend, page_size=64, cuda_graph=cuda_graph)
     for _ in range(2):
         decoder.step()

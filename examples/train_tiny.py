@@ -1,6 +1,6 @@
 """Train a tiny byte-level DeepSeek-V3-architecture model and its MTP (EAGLE) draft layer.
 
-    python examples/train_tiny.py                          # one H100: about 3.5 minutes
+    python examples/train_tiny.py                          # minutes on a GPU (docs/benchmarks.md)
     python examples/train_tiny.py --target-steps 20 --mtp-steps 10 --batch-size 4 --target-seconds 30 --mtp-seconds 15 --out /tmp/tiny  # smoke run
 
 Data: the standard library's own ``*.py`` files as bytes (vocabulary 256); one file in 20 is held

@@ -113,6 +113,12 @@ class GraphRunner:
         for name, flag in (("eager_fallback", eager_fallback), ("progress", progress), ("kv_bounds", kv_bounds)):
             if not isinstance(flag, bool):  # "no" or [64] read as True
                 raise ValueError(f"GraphRunner's {name} must be True or False, got {flag!r}")
+        if not hasattr(step, "backends"):
+            raise TypeError(f"GraphRunner takes a SpecStep, got {type(step).__name__}: build graphs with "
+                            "worker.capture_graphs(), which keeps the runner")
+        if getattr(step, "host_copy", None) is not None and step.host_copy.rows is not None:
+            raise RuntimeError("GraphRunner while a step is in flight: its captures' warm-ups would run into that "
+                               "step's copy to the host; finish_step(worker.in_flight) first")
         if step.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {step.device}")
         # That allocator captures allocations as graph nodes, which a child graph (joined.py) must

@@ -50,9 +50,9 @@ def test_built_outside_inference_mode_it_records_no_autograd():
 
 @pytest.mark.parametrize("backend", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
 def test_kernels_the_device_cannot_run_are_refused_up_front(backend):
-    """As the worker refuses them: a clear error naming the backends that run here (the decoder
-    built the backend and failed inside it: an assertion in torch, or cutedsl_mla given the prefill
-    its family hands to trtllm_mla)."""
+    """The decoder refuses a backend this device cannot run before building it, as the worker does:
+    a ValueError naming the backend, its role and the GPU it needs, and asking for one that runs
+    here (not an error from inside the kernel or its prefill fallback)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
         pytest.skip("this is a Blackwell GPU")
     target, _ = make_models()

@@ -272,9 +272,9 @@ def test_cutedsl_refuses_prefill_naming_its_fallback(kernel_calls):
 
 @pytest.mark.parametrize("backend", ["cutedsl_mla", "trtllm_mla", "tokenspeed_mla"])
 def test_target_only_decoding_through_the_seam(target, kernel_calls, backend):
-    """The baseline decoder sizes its block tables as each backend needs: with pages of 64 and
-    prompts that fit one page, cutedsl_mla's tables were one page wide and FlashInfer's cute-dsl
-    path refused them (whole 128-token blocks) at the first decode."""
+    """The baseline decoder sizes its block tables as each backend needs and decodes what torch_ref
+    does: with pages of 64 and prompts that fit one page, cutedsl_mla still gets tables of whole
+    128-token blocks, which FlashInfer's cute-dsl path requires."""
     kv_dtype = KV_DTYPES["fp8_e4m3" if backend == "tokenspeed_mla" else "bf16"]
     group = prompts(2, seed=31)
     assert max(map(len, group)) + 8 < 64
@@ -292,8 +292,9 @@ def test_a_table_width_the_kernel_refuses_is_refused_at_construction():
 
 @pytest.mark.parametrize("cls", BLACKWELL)
 def test_built_directly_a_backend_refuses_pages_its_kernel_refuses(cls):
-    """The registry swaps in pages of 64 with a warning; built directly, the kernel refused them at the
-    first call, after that pass's cache write."""
+    """The registry swaps in pages of 64 with a warning; built directly, a backend refuses a page size
+    its kernel does not take at construction, naming the sizes it takes, so no pass writes the cache
+    first."""
     pool = MLAKVPool(1, 16, 16, 1, 128, torch.bfloat16)
     with pytest.raises(ValueError, match=rf"{cls.name} takes pages of \[32, 64\] tokens, not 16"):
         cls(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), max_batch_size=2, max_q_len=1)

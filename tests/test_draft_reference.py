@@ -2,7 +2,7 @@
 
 Losslessness holds for any draft, so the worker tests cannot see a draft that attends to the
 wrong ancestors, continues the wrong hidden state or sits at the wrong position. Here every draft
-forward of a step (draft_tree's steps and draft-extend) is compared with the draft model run from
+forward of a step (SpecStep.draft's steps and draft-extend) is compared with the draft model run from
 scratch, one sequence at a time, over a fresh cache with plain causal attention:
 EAGLE (MTP): token t_{p+1} at position p with the target's hidden state h_p for p < N (one target
 pass over the committed tokens), and the MTP's own previous output past N; standalone: the draft

@@ -85,22 +85,22 @@ def _strided_metadata(pool, rows, lens):
 
 @pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla"])
 def test_strided_metadata_is_taken(backend):
-    """triton_mla refused a strided seq_lens in its kernel's checks, after the pass had written the
-    cache; the metadata takes contiguous copies."""
+    """Strided seq_lens and cu_seqlens_q (columns of wider tables) attend as torch_ref does: the
+    metadata takes contiguous copies, which the kernels' checks require."""
     compare(backend, _strided_metadata)
 
 
 @pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla"])
 @pytest.mark.parametrize("page_size", [1, 2, 16])
 def test_pages_smaller_than_the_verify_block(backend, page_size):
-    """A verify of 4 tokens over pages of fewer rows (flashinfer_mla planned its device-scheduled
-    wrapper over one page, which FlashInfer refused where q_len > page_size)."""
+    """A verify of 4 tokens over pages of fewer rows (q_len > page_size: a verify block spans
+    pages) attends as torch_ref does."""
     compare(backend, _uniform(ForwardMode.TARGET_VERIFY, 4), page_size=page_size)
 
 
 def test_flashinfer_schedule_compiles_once_per_power_of_two_of_requests(monkeypatch):
-    """Eager passes change batch size as requests finish: the device schedule's kernel must not
-    compile again for each size (it took the batch size as a compile-time constant)."""
+    """Eager passes change batch size as requests finish: the device schedule's kernel compiles at
+    most once for batch sizes 9-16 (the batch size is no compile-time constant)."""
     from triton import knobs
 
     compiled = []

@@ -81,7 +81,8 @@ def test_buckets_refused_before_any_capture(batch_sizes, message):
 
 @pytest.mark.parametrize("flag, value", [("eager_fallback", "no"), ("kv_bounds", [64]), ("progress", 1)])
 def test_flags_must_be_bools(flag, value):
-    """A truthy stand-in ("no", a list of bounds) was taken as True."""
+    """The runner's flags take True or False only: a truthy stand-in ("no", a list of bounds, 1)
+    is refused, naming the flag and the value."""
     with pytest.raises(ValueError, match=re.escape(f"GraphRunner's {flag} must be True or False, got {value!r}")):
         GraphRunner(fake_step(True, SpecConfig(max_batch_size=4)), [1, 2, 4], **{flag: value})
 
@@ -269,10 +270,10 @@ def test_graphed_target_only_decoding_equals_eager(backend):
 
 @pytest.mark.gpu
 def test_runner_misuse_is_refused_and_results_are_the_steps_own():
-    """A runner built while a step was in flight ran its captures' warm-ups into
-    that step's copy to the host (its requests lost the step's tokens); each replay returned the
-    same result object, so finish_step took a stale one; numpy buckets were refused or passed on
-    as numpy ints; a standalone draft narrower than the target could not be captured."""
+    """Capturing while a step is in flight (its warm-ups would run into that step's copy to the
+    host), empty buckets and cudaMallocAsync are refused; numpy buckets become Python ints; each
+    replay returns a result object of its own, and finish_step refuses a stale one; a standalone
+    draft narrower than the target is captured. Decoding stays target-only greedy throughout."""
     target, worker = gpu_worker("triton_mla")
     group = prompts(3, seed=2)
     reqs = worker.add_requests(group, 16)
@@ -280,9 +281,9 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
     with pytest.raises(RuntimeError, match="capture_graphs while a step is in flight"):
         worker.capture_graphs([1, 2, 4], progress=False)
     worker.finish_step(in_flight)
-    with pytest.raises(ValueError, match="batch_sizes is empty"):  # it fell back to the default buckets
+    with pytest.raises(ValueError, match="batch_sizes is empty"):  # not the default buckets
         worker.capture_graphs([], progress=False)
-    # Under cudaMallocAsync, Triton refused the captures' pointers (and child graphs refuse allocations).
+    # Refused under cudaMallocAsync: Triton refuses its pointers in a capture, and child graphs refuse allocations.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
         with pytest.raises(ValueError, match="native CUDA allocator, not cudaMallocAsync"):
@@ -314,8 +315,9 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
 def test_steps_from_a_thread_that_has_done_no_gpu_work(graphs):
-    """An engine's scheduler thread: in a step of an unchanged batch the joined graph's launch is
-    the thread's first GPU work, a driver call that found no current context (CUresult 201)."""
+    """Steps from an engine's scheduler thread decode target-only greedy tokens: in a step of an
+    unchanged batch the joined graph's launch is the thread's first GPU work, so the worker makes
+    its device's context current (without one, the driver call fails with CUresult 201)."""
     import threading
 
     target, worker = gpu_worker("triton_mla")

@@ -75,8 +75,8 @@ def _draft_without(target: ToyTarget, name: str) -> ToyEagleDraft:
 @pytest.mark.parametrize("name", ["num_attention_layers", "vocab_size", "needs_hidden_in", "hidden_size", "attn_spec",
                                   "compute_logits"])
 def test_a_draft_off_the_contract_is_named(name):
-    """A draft lacking a member failed with an AttributeError or a call of None, or (compute_logits)
-    at the first add_requests."""
+    """A draft lacking a member of DraftModel (gone, unreadable or None) is refused when the worker
+    is built, with a ConfigError naming the member and the protocol, not at its first use."""
     target = ToyTarget(vocab=VOCAB)
     cfg = SpecConfig(num_steps=2, page_size=4, max_batch_size=2, max_context_len=64)
     with pytest.raises(ConfigError, match=rf"the draft model lacks \['{name}'\]: specdec.draft.DraftModel"):
@@ -100,9 +100,10 @@ def test_an_ordinary_lm_passed_as_the_draft_is_told_to_wrap_it():
     (_fp32_output, "add", r"forward returned \(\d+, 32\) torch.float32 .*parameters' dtype \(torch.bfloat16\)"),
 ])
 def test_a_model_off_the_contract_is_named(make, when, needle):
-    """Each failed inside the worker or a kernel (AttributeError, IndexError in a pool or in the
-    draft's embedding, a dtype mismatch in a matmul) or decoded with dropout on; a refused
-    add_requests leaves the pools as they were."""
+    """A target off the contract (no compute_logits, training mode, not a model, more layers than
+    it declares, a head past the vocabulary, output in another dtype) is refused with an error
+    naming what is wrong: when the worker is built, or at its first add_requests, which then
+    leaves the pools and the batch as they were."""
     target = make()
     cfg = SpecConfig(num_steps=2, draft_mode="standalone", page_size=4, max_batch_size=2, max_context_len=64)
     if when == "init":

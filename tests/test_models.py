@@ -117,7 +117,7 @@ def causal_mask(n: int) -> torch.Tensor:
     dict(q_lora_rank=48, rope_parameters=dict(rope_theta=10000.0, **YARN)),
     dict(q_lora_rank=None, qk_nope_head_dim=128, v_head_dim=128, rope_interleave=False, num_attention_heads=2),
     dict(q_lora_rank=32, n_group=2, topk_group=1, num_hidden_layers=2, rope_parameters=dict(rope_type="default", rope_theta=500.0)),
-    dict(q_lora_rank=48, rms_norm_eps=1e-2),  # the latent norms keep eps 1e-6 (logits were 0.04 off)
+    dict(q_lora_rank=48, rms_norm_eps=1e-2),  # the latent norms keep eps 1e-6 whatever rms_norm_eps is, as transformers' do
 ], ids=["qlora-yarn", "qproj-nope128-halfsplit", "sharded-2groups", "rms-eps-1e-2"])
 def test_logits_match_transformers(tmp_path, variant):
     transformers = pytest.importorskip("transformers")
@@ -202,7 +202,7 @@ def test_mtp_matches_composition_of_transformers_modules(tmp_path):
     target = DeepseekV3ForCausalLM(cfg)
     shared = load_mtp(str(tmp_path), torch.float32, target=target)
     assert shared.embed_tokens is target.embed_tokens and shared.shared_head.head is target.lm_head
-    # A target in another dtype: the draft mixed both and failed at its first forward.
+    # A target in another dtype is refused (the draft would mix both dtypes at its first forward).
     with pytest.raises(CheckpointError, match="shares the target's .*torch.float32.*asked for torch.bfloat16"):
         load_mtp(str(tmp_path), torch.bfloat16, target=target)
 
@@ -220,10 +220,10 @@ def test_round_trip_with_mtp(tmp_path, variant):
     assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert ("lm_head.weight" in load_file(tmp_path / "model.safetensors")) != cfg.tie_word_embeddings
 
-    if cfg.tie_word_embeddings:  # a tied checkpoint that also stores the head (it failed to load: "unexpected")
+    if cfg.tie_word_embeddings:  # a tied checkpoint that also stores the head (an equal copy) loads
         tensors = load_file(tmp_path / "model.safetensors")
         save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, tmp_path / "model.safetensors")
-        # A head of its own under a tied config was dropped silently.
+        # A head of its own (not the embedding) under a tied config is refused, not dropped.
         own_head = tmp_path / "own_head"
         own_head.mkdir()
         (own_head / "config.json").write_text((tmp_path / "config.json").read_text())
@@ -283,7 +283,7 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
     with pytest.raises(CheckpointError, match=f"{name} is F8_E4M3.*dequantise"):
         load_deepseek(str(tmp_path), torch.float32)
 
-    # Without an index json, a weight in two files: the later file's copy was taken silently.
+    # Without an index json, a weight in two files is refused, naming both (neither copy is taken).
     save_file(good, tmp_path / "model.safetensors")
     save_file({"model.norm.weight": torch.zeros_like(good["model.norm.weight"])}, tmp_path / "zz-extra.safetensors")
     with pytest.raises(CheckpointError, match="model.norm.weight is in both .*model.safetensors and .*zz-extra"):
@@ -291,7 +291,8 @@ def test_checkpoint_errors_name_the_weights(tmp_path):
 
 
 def test_loader_refuses_checkpoints_it_would_load_wrong(tmp_path):
-    """Each of these loaded something else than the checkpoint holds, or failed without naming it."""
+    """Checkpoints that would load as something other than they hold (or fail without saying why)
+    are refused with an error naming the weight, field or file at fault."""
     cfg = DeepseekV3Config(**TINY, q_lora_rank=None)
     model = DeepseekV3ForCausalLM(cfg)
     save_deepseek(model, str(tmp_path))
@@ -303,19 +304,19 @@ def test_loader_refuses_checkpoints_it_would_load_wrong(tmp_path):
     save_file({**good, f"{name}.weight_scale_inv": torch.ones(1, 1)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"FP8 block-quantised .*{name}.weight_scale_inv.*dequantise"):
         load_deepseek(str(tmp_path), torch.float32)
-    # A layer past the decoder's with no MTP layer announced (it was dropped: a truncated model).
+    # A layer past the decoder's with no MTP layer announced is unexpected (not dropped: a truncated model).
     save_file({**good, "model.layers.3.input_layernorm.weight": good["model.norm.weight"].clone()}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"unexpected \['model.layers.3.input_layernorm.weight'\]"):
         load_deepseek(str(tmp_path), torch.float32)
     save_file(good, tmp_path / "model.safetensors")
-    # Another architecture's config.json (its missing fields took V3's defaults).
+    # Another architecture's config.json is refused (its missing fields would take V3's defaults); kimi_k2 loads.
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type 'llama'"):
         load_deepseek(str(tmp_path), torch.float32)
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
     load_deepseek(str(tmp_path), torch.float32)
 
-    # Shards: a bad index names itself (a KeyError, a FileNotFoundError, a SafetensorError mid-copy).
+    # Shards: a bad index (no weight_map, a missing shard, a shard without the weight) is refused, naming itself.
     index = tmp_path / "model.safetensors.index.json"
     for weight_map, message in (({}, None), ({"model.norm.weight": "gone.safetensors"}, r"not in .*\['gone.safetensors'\]")):
         index.write_text(json.dumps({"metadata": {}} if message is None else {"weight_map": weight_map}))
@@ -325,16 +326,16 @@ def test_loader_refuses_checkpoints_it_would_load_wrong(tmp_path):
     index.write_text(json.dumps({"weight_map": {n: "shard.safetensors" for n in good}}))
     with pytest.raises(CheckpointError, match="maps .* to shard.safetensors, which does not hold it"):
         load_deepseek(str(tmp_path), torch.float32)
-    # Saving over a sharded checkpoint: its index would still be read (the old weights came back).
+    # Saving over a sharded checkpoint is refused: its index would still be read, and the old weights loaded.
     with pytest.raises(ValueError, match=r"holds \['model.safetensors.index.json', 'shard.safetensors'\]"):
         save_deepseek(model, str(tmp_path))
 
 
 def test_mtp_shares_the_targets_embedding_and_head(tmp_path):
-    """With target=, the MTP layer uses the target's embedding and head where the checkpoint's
-    copies equal them (it loaded the copies: ~3.7 GB more on V3, and trainable beside a frozen
-    target); a copy that differs (a draft trained with its own head) is loaded; a target of
-    another checkpoint is refused."""
+    """With target=, the MTP layer shares the target's embedding and head modules where the
+    checkpoint's copies equal them (a second copy would cost ~3.7 GB on V3 and train beside a
+    frozen target); a copy that differs (a draft trained with its own head) is loaded; a target
+    of another checkpoint is refused."""
     cfg = DeepseekV3Config(**TINY, q_lora_rank=None)
     model = DeepseekV3ForCausalLM(cfg)
     mtp = DeepseekMTP(cfg, target=model)
@@ -365,11 +366,11 @@ def test_mtp_shares_the_targets_embedding_and_head(tmp_path):
     ("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("n_group", 3), ("topk_group", 5), ("num_experts_per_tok", 5),
     ("rope_scaling", {"type": "linear", "factor": 2.0}), ("quantization_config", {"quant_method": "fp8"}),
     ("hidden_act", "gelu"), ("q_lora_rank", 0),
-    # Of the wrong type (they raised TypeErrors naming no field, or failed in torch or math later):
+    # Of the wrong type, each refused naming the field (not a TypeError naming none, or a failure later):
     ("n_shared_experts", None), ("routed_scaling_factor", None), ("hidden_size", 64.0), ("rope_scaling", "yarn"),
     ("rope_interleave", "false"), ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}),
-    # Out of range (a negative beta failed in math.log when the model was built; the factor
-    # flipped the routed experts' output):
+    # Out of range (a negative beta would fail in math.log when the model is built; a negative
+    # factor flips the routed experts' output):
     ("routed_scaling_factor", -2.5), ("routed_scaling_factor", 0),
     *(("rope_scaling", {**YARN, key: value}) for key, value in (("beta_fast", -32), ("beta_slow", "1"), ("mscale", -1.0),
                                                                ("attention_factor", 0), ("truncate", "no"))),
@@ -414,7 +415,7 @@ def test_token_ids_out_of_range_raise_before_any_kv_write():
             mtp(torch.tensor(bad), torch.arange(2), torch.zeros(2, cfg.hidden_size), backend, batch)
         with pytest.raises(ValueError, match="vocab_size=80"):
             validate_token_ids(bad, cfg.vocab_size)
-    # Float ids or positions, and negative positions (float positions were rotated as given).
+    # Float ids or positions, and negative positions, are refused (float positions would be rotated as given).
     for ids, pos, message in ((torch.tensor([3.0, 4.0]), torch.arange(2), "int64 or int32"),
                               (torch.tensor([3, 4]), torch.arange(2.0), "int64 or int32"),
                               (torch.tensor([3, 4]), torch.tensor([-1, 0]), "positions must be >= 0")):

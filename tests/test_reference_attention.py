@@ -93,8 +93,9 @@ def test_graph_state_keeps_buffers_that_are_large_enough():
 
 
 def test_a_batch_past_the_graph_buffers_is_refused_clearly():
-    """Buffers for fewer requests than max_batch_size: a larger eager batch failed in a copy with
-    a shape mismatch; it is refused naming the call to make."""
+    """Graph buffers for fewer requests than max_batch_size: a larger eager batch is refused at
+    init_forward_metadata, naming the call to make (not a shape mismatch in a copy), and leaves no
+    metadata."""
     pool = MLAKVPool(1, 16, 4, 4, 16, torch.float32)
     rows = [pool.alloc_request() for _ in range(3)]
     pool.ensure_capacity_many(rows, [8] * 3)
@@ -172,7 +173,7 @@ def test_refused_passes_leave_the_cache_and_metadata_as_they_were():
         backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, batch)
     backend.init_forward_metadata(batch)
     metadata = backend.metadata
-    for bad in (np.int64(2), 2.0, 0):  # the Triton kernel refused these only after the cache write
+    for bad in (np.int64(2), 2.0, 0):  # refused before the cache write, not at the kernel's launch
         with pytest.raises(ValueError, match="max_q_len must be an int >= 1"):
             backend.forward(torch.randn(2, 2, 576), torch.randn(2, 576), 0, dataclasses.replace(batch, max_q_len=bad))
     mask = torch.ones(1, 4, 2, dtype=torch.bool).transpose(1, 2)  # [1, 2, 4], last dim strided
@@ -279,7 +280,7 @@ def test_chunked_prefill_of_random_batches_matches_ragged(seed):
     g = torch.Generator().manual_seed(seed)
     chunk = int(torch.randint(1, 9, (1,), generator=g))
     batch_size = int(torch.randint(1, 5, (1,), generator=g))
-    # Odd seeds: short requests, which a chunk can outgrow (a loose bound made chunks past max_seq_len).
+    # Odd seeds: short requests, which a chunk can outgrow (no chunk may reach past max_seq_len).
     prefixes = torch.randint(0, 10 if seed % 2 == 0 else 2, (batch_size,), generator=g).tolist()
     q_lens = torch.randint(0, 14 if seed % 2 == 0 else 4, (batch_size,), generator=g).tolist()
     q_lens[0] = max(q_lens[0], 1)
@@ -360,8 +361,9 @@ def test_torch_ref_backend_over_a_scaled_fp8_pool():
 def test_an_fp8_cache_write_and_query_saturate_at_448(monkeypatch):
     """An fp8 cache stores kv / kv_scale clamped to +-448, inf included, and attention over it
     stays finite; the Blackwell adapters' fp8 queries (to_cache_dtype, scale 1) saturate the same
-    way. The casts run as torch before 2.12 made them (2.12 saturates itself): a value past 464,
-    and inf, became NaN, which then sat in freed pages too."""
+    way. The test casts as torch before 2.12 does (a value past 464, and inf, become NaN; 2.12
+    saturates itself), so the clamp must be the code's own: no NaN is stored, not even in pages
+    later freed."""
     from attn.base import to_cache_dtype
 
     cast = torch.Tensor.to
@@ -413,7 +415,7 @@ def test_table_entries_past_a_request_are_never_read():
 
 def test_cache_views_backends_could_not_write_through_are_refused():
     """Backends write through a rows view of each layer's buffer: one layer's slice of a page-first
-    pool is not one (the writes went to a copy and were lost), so the view refuses it up front."""
+    pool is not one (the writes would go to a copy and be lost), so the view refuses it up front."""
     from attn.base import KVCacheView
 
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
@@ -425,8 +427,9 @@ def test_cache_views_backends_could_not_write_through_are_refused():
 
 
 def test_scales_a_kernel_would_refuse_after_the_cache_write_are_refused_up_front():
-    """NaN, 0, a bool or a tensor as the softmax scale or the fp8 scale: the Triton kernel refused them
-    at its launch, after the pass had written its kv rows; the reference returned NaN."""
+    """NaN, 0, a bool, a tensor or an overflowing int as the softmax scale or the fp8 scale is refused
+    when the LayerSpec or KVCacheView is built, naming the field: a kernel would refuse it only at
+    its launch, after the pass had written its kv rows, and the reference would return NaN."""
     from attn.base import KVCacheView
 
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
@@ -464,12 +467,12 @@ def test_multi_step_draft_takes_one_batch_per_draft_forward():
 
     draft.init_forward_metadata([step(5), step(6), step(7)])
     assert [b.metadata.seq_lens.tolist() for b in draft.steps] == [[5], [6], [7]]
-    for count in (1, 6):  # too few left later steps with the last spec step's metadata; too many were cut
+    for count in (1, 6):  # one batch per draft forward: too few or too many are refused
         with pytest.raises(ValueError, match=f"3 draft forwards take one batch each, got {count}"):
             draft.init_forward_metadata([step(8 + k % 3) for k in range(count)])
     one_step = MultiStepDraftBackend(TorchRefBackend, pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), 2,
                                      num_steps=1, topk=1)
-    one_step.init_forward_metadata([])  # no draft forward of its own: nothing to build (it raised IndexError)
+    one_step.init_forward_metadata([])  # no draft forward of its own: nothing to build, no error
     with pytest.raises(ValueError, match="0 draft forwards take one batch each, got 1"):
         one_step.init_forward_metadata([step(5)])
 
@@ -491,13 +494,13 @@ def test_multi_step_draft_refuses_steps_of_other_requests_and_trees_without_mask
                          loc, torch.arange(len(reqs) + 1, dtype=torch.int32), 1, True)
 
     draft.init_forward_metadata([step(rows, 5), step(rows, 6)])
-    # The first step's one-row table broadcast over the second step's two requests, silently.
+    # Steps over other requests are refused (a one-row table would broadcast over two requests).
     with pytest.raises(ValueError, match=r"the same requests, got batches of \[1, 2\]"):
         draft.init_forward_metadata([step(rows[:1], 7), step(rows, 8)])
     assert all(b.metadata is None for b in draft.steps)  # none left on the previous spec step's
     with pytest.raises(ValueError, match=r"shared_block_tables must be \[2, 4\] int32"):
         draft.steps[1].init_forward_metadata(step(rows, 6), shared_block_tables=torch.zeros(1, 4, dtype=torch.int32))
-    # A tree draft over a backend without tree masks built and failed (or attended causally) later.
+    # A tree draft over a backend without tree masks is refused when built (it would fail, or attend causally, later).
     with pytest.raises(ValueError, match="trtllm_mla cannot attend with a tree mask, which a topk=2 draft needs"):
         MultiStepDraftBackend(TrtllmMLABackend, pool.view(), layer, 2, num_steps=3, topk=2)
 
@@ -509,7 +512,7 @@ def test_a_pass_of_no_tokens_returns_no_rows(mode, q_len):
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.bfloat16)
     row = pool.alloc_request()
     pool.ensure_capacity(row, 4)
-    for cls in (TorchRefBackend, TritonMLABackend):  # the first failed in torch, the second refused max_q_len 0
+    for cls in (TorchRefBackend, TritonMLABackend):  # each returns [0, H, 512], at max_q_len 0 too
         backend = cls(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=2, max_q_len=1)
         batch = AttnBatch(mode, torch.tensor([row]), torch.tensor([4], dtype=torch.int32), torch.zeros(0, dtype=torch.long),
                           torch.tensor([0, 0], dtype=torch.int32), q_len, mode is ForwardMode.DECODE)

@@ -94,8 +94,8 @@ def test_config_errors_name_the_setting():
         (dict(attention_backend="nope"), "attention_backend must be one of .*got 'nope'"),
         (dict(decode_backend="nope"), "decode_backend must be one of .* or None, got 'nope'"),
         (dict(prefill_backend="nope"), "prefill_backend must be one of .* or None, got 'nope'"),
-        (dict(attention_backend=["triton_mla"]), "attention_backend must be one of"),  # was a TypeError
-        (dict(kv_dtype=["bf16"]), "kv_dtype must be 'auto' or one of"),  # was a TypeError
+        (dict(attention_backend=["triton_mla"]), "attention_backend must be one of"),  # an unhashable value: a ValueError too
+        (dict(kv_dtype=["bf16"]), "kv_dtype must be 'auto' or one of"),  # likewise
         (dict(page_size=24), "page_size"),
         (dict(kv_dtype="int4"), "kv_dtype"),
         (dict(draft_mode="medusa"), "draft_mode"),
@@ -153,9 +153,9 @@ def test_config_page_size_adjusted_for_blackwell():
 
 
 def test_a_config_that_fails_validation_is_left_as_it_was():
-    """validate adjusted the page size (and normalised ints and kv_scale) before a later check
-    failed, so an engine that caught the error and undid its own edit kept a page size it never
-    set, and the next error named it."""
+    """A validate that fails changes nothing: the page size it would adjust and the ints and
+    kv_scale it would normalise stay as the caller set them, so an engine that catches the error
+    and undoes its own edit is back where it was; a validate that passes then normalises them."""
     cfg = SpecConfig(max_context_len=96)
     cfg.attention_backend, cfg.max_batch_size, cfg.kv_scale = "trtllm_mla", np.int64(4), np.float32(1.0)
     with pytest.warns(UserWarning), pytest.raises(ConfigError, match=r"page_size \(64, the backends' for the 16"):

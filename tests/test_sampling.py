@@ -42,9 +42,9 @@ def tv_bound(n: int) -> float:
 @pytest.mark.parametrize("topk,num_steps,ndt", [(1, 3, 4), (2, 3, 6), (3, 2, 7)])
 def test_every_depth_of_the_tree_follows_the_target(topk, num_steps, ndt):
     """The token emitted after each accepted tree node (a child accepted, or a residual or bonus
-    draw) follows the target's distribution after that node, at every depth: a sampler that went
-    wrong past the first drafted token (a residual of another node, or a distorted one) emitted
-    the right first token. The targets favour the drafted children, so deep nodes are reached."""
+    draw) follows the target's distribution after that node, at every depth: a sampler wrong past
+    the first drafted token (a residual of another node, or a distorted one) still emits the right
+    first token. The targets favour the drafted children, so deep nodes are reached."""
     vocab, n = 6, 60_000
     vt = make_tree(n, topk, num_steps, ndt, vocab, seed=topk)
     g = torch.Generator().manual_seed(100 + topk)
@@ -74,9 +74,9 @@ def test_every_depth_of_the_tree_follows_the_target(topk, num_steps, ndt):
 
 def test_rejected_children_leave_the_bonus_residual_when_the_root_token_is_one_of_theirs():
     """Every child of the root rejected, the bonus comes from the root's distribution less the
-    children's tokens, also where the root's token is a child's (tokens repeat across depths): a
-    residual built by scattering over the children's columns, padding (the root's token) included,
-    let the padding (max_children 3 over 2 children) write back the rejected token's probability."""
+    children's tokens, also where the root's token is a child's (tokens repeat across depths).
+    max_children 3 over 2 children pads with the root's token: a residual built by scattering over
+    every child column, padding included, would write the rejected token's probability back."""
     n = 40_000
     vt = VerifyTree(tokens=torch.tensor([[2, 2, 3, 0]]).expand(n, -1), parents=torch.tensor([[0, 0, 0, 1]]).expand(n, -1),
                     depth=torch.tensor([[0, 1, 1, 2]]).expand(n, -1), child_rank=torch.tensor([[0, 0, 1, 0]]).expand(n, -1),
@@ -92,9 +92,9 @@ def test_rejected_children_leave_the_bonus_residual_when_the_root_token_is_one_o
 
 def test_a_child_holding_the_last_token_with_mass_is_taken():
     """top-k 2 keeps two tokens, both the root's children: rejecting the first leaves the second
-    all the mass, so it must be taken. Its threshold computed as p / (sum - the rejected p) fell an
-    ulp below 1, and with this draw (seed found by search) every child was rejected and the bonus
-    came from an all-zero residual: token V - 1, which the target gives probability 0."""
+    all the mass, so it must be taken. This draw (seed found by search) is one where a threshold
+    computed as p / (sum - the rejected p) falls an ulp below 1: every child would be rejected and
+    the bonus drawn from an all-zero residual (token V - 1, which the target gives probability 0)."""
     logits = torch.tensor([[-2.9891786575317383, -1.0215553045272827, -0.4190954864025116, -0.37579426169395447,
                             5.43334436416626, -0.0911627933382988, -0.5446845889091492, -0.7555745840072632]])
     row = target_probs(logits, torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([2]))
@@ -137,7 +137,7 @@ def test_greedy_rows_pick_the_first_of_tied_maxima_as_argmax_does():
 
 def test_tiny_temperatures_and_top_p_stay_finite():
     """A temperature that overflows logits / T, and a top_p that rounds to 0 in fp32, still give
-    the greedy token (they used to give NaN rows, sampled as the last token)."""
+    the greedy token: a one-hot row, not NaN (a NaN row samples as the last token)."""
     logits = torch.tensor([[3.0, 9.0, -2.0, 1.0]]).expand(4, -1)
     probs = target_probs(logits, torch.tensor([1e-39, 1e-44, 1.0, 1e-30]), torch.tensor([1.0, 1.0, 1e-46, 1.0]),
                          torch.zeros(4, dtype=torch.long))
@@ -147,8 +147,10 @@ def test_tiny_temperatures_and_top_p_stay_finite():
 
 
 def test_non_finite_logits_give_argmax_to_greedy_rows_and_a_distribution_to_sampled_ones():
-    """A 16-bit head that overflowed (+inf) or a NaN logit made the whole row NaN, sampled as the
-    last token id, greedy rows included (target-only greedy takes torch.argmax)."""
+    """Rows with +inf (a 16-bit head that overflowed), NaN or no finite logit give finite
+    distributions summing to 1: greedy rows one-hot on torch.argmax's choice (what target-only
+    greedy takes), sampled rows spread over the +inf tokens, over the finite ones with NaN as -inf,
+    or uniform. A NaN row would sample as the last token id."""
     inf, nan = float("inf"), float("nan")
     rows = torch.tensor([[1.0, inf, 2.0, inf, 0.5], [1.0, 3.0, nan, 2.0, 0.5], [-inf] * 5, [nan, -inf, nan, -inf, nan],
                          [1.0, 3.0, -inf, 2.0, inf]])
@@ -186,7 +188,7 @@ def test_worker_decodes_a_target_with_an_infinite_logit_as_target_only_greedy():
         reqs = worker.add_requests([[1, 2, 3]] * (2 if sampling else 1), 8, sampling=params)
         while worker.requests:
             worker.step()
-        # (the prefill's token was the last id, and with sampling every token)
+        # the +inf token everywhere, the prefill's included, greedy and sampled alike
         assert all(r.output == expected == [5] * 8 for r in reqs)
 
 
@@ -219,8 +221,8 @@ def test_bad_sampling_params():
 
 def test_the_largest_fp32_temperature_still_ranks_by_logit():
     """Temperatures up to fp32's largest are accepted and keep top-k/top-p ranking the likeliest
-    tokens (one beyond it became inf in the worker's fp32 tensors: every logit 0, and top_k=1
-    emitted token 0 where greedy took the argmax)."""
+    tokens (one beyond it would be inf in the worker's fp32 tensors: every logit 0, and top_k=1
+    would emit token 0, not the argmax)."""
     big = float(torch.finfo(torch.float32).max)
     SamplingParams(temperature=big, top_k=1)
     logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
@@ -237,8 +239,9 @@ def test_worker_samples_the_target_distribution(topk, ndt):
     often accepted): each of the first three tokens (the prefill's, then the first step's first
     two: an accepted draft or a residual draw, and what follows an accepted one), given the tokens
     before it, follows the target's distribution under the request's own settings. Greedy requests
-    in the same batches get exactly the greedy output. (A worker that sampled at temperature 1
-    whatever the request asked, or ignored top_k and top_p, passed a test of temperature 0.9 alone.)"""
+    in the same batches get exactly the greedy output. Three settings, because a worker that
+    sampled at temperature 1 whatever the request asked, or ignored top_k and top_p, would pass a
+    test of temperature 0.9 alone."""
     vocab, prompt, new_tokens = 6, [1, 2, 3, 4, 5], 3
     settings = [dict(temperature=0.5), dict(temperature=2.0, top_k=3), dict(temperature=1.0, top_p=0.6)]
     target, _ = make_models(vocab_size=vocab)
@@ -310,9 +313,9 @@ def test_each_step_draws_new_uniforms():
 
 
 def test_unseeded_requests_sample_independently_and_record_their_seed():
-    """Requests without a seed each get a fresh one (with one default seed, every unseeded request
-    of a prompt sampled the same tokens); the seed lands in Request.sampling, and passing it back
-    replays the request."""
+    """Requests without a seed each get a fresh one, so unseeded requests of one prompt sample
+    different tokens; the seed lands in Request.sampling, and passing it back replays the
+    request."""
     vocab, n, max_new = 6, 16, 8
     target, _ = make_models(vocab_size=vocab)
     with torch.no_grad():

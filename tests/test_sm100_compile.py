@@ -374,7 +374,7 @@ def _serving_worker(models, settings: dict, kv_dtype: str):
 
 def _kv_bounded_shapes(worker, backend: str, kv_dtype: str, buckets: list[int]) -> list[dict]:
     """The shapes ``backend``'s passes ask for in the worker's kv-bounded captures: per bucket and
-    bound on N (worker.kv_len_buckets), max_seq_len = bound + the pass's extra kv rows."""
+    bound on N (SpecStep.kv_len_buckets), max_seq_len = bound + the pass's extra kv rows."""
     from attn.base import KV_DTYPES as POOL_DTYPES
 
     return [dict(num_heads=SERVING_HEADS, q_len=q_len, page_size=SERVING["page_size"], kv_dtype=POOL_DTYPES[kv_dtype],

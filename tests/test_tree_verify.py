@@ -40,9 +40,9 @@ def test_ties_keep_the_tree_ancestor_closed():
 
 
 def test_non_finite_draft_logits_keep_the_tree_ancestor_closed():
-    """Greedy draft rows with +inf or NaN logits (a 16-bit head that overflowed) score 0: softmax
-    made them NaN, which sorted above every score, so the tree took the children of a candidate
-    it had not taken and grew its frontier from them."""
+    """Greedy draft rows with +inf or NaN logits (a 16-bit head that overflowed) score 0, not NaN
+    (which would sort above every score): the tree takes no child of a candidate it has not taken
+    and grows its frontier only from the taken ones."""
     inf, nan = float("inf"), float("nan")
     probs, _ = topk_probs(torch.tensor([[0.0, 1.0, inf, 2.0], [nan, 1.0, 3.0, nan], [0.0, 1.0, 3.0, 2.0]]), 2)
     assert torch.equal(probs[:2], torch.zeros(2, 2)) and probs[2].gt(0).all()

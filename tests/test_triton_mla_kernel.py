@@ -139,11 +139,11 @@ def _valid_args():
         (lambda a: a.update(num_splits=MAX_SPLITS + 1), "num_splits must be"),
         (lambda a: a.update(max_kv_len=0), "max_kv_len must be a positive int"),
         (lambda a: a.update(max_kv_len=2.0), "max_kv_len must be a positive int"),
-        # bools passed as ints (num_splits=True reached the kernel as a 1-bit argument)
+        # bools are no ints here (num_splits=True would reach the kernel as a 1-bit argument)
         (lambda a: a.update(num_splits=True), "num_splits must be"),
         (lambda a: a.update(max_q_len=True), "max_q_len must be a positive int"),
         (lambda a: a.update(max_kv_len=True), "max_kv_len must be a positive int"),
-        # a tensor scale failed inside Triton; NaN made the output NaN
+        # a tensor scale would fail inside Triton, a NaN one make the output NaN
         (lambda a: a.update(kv_scale=torch.tensor(1.0)), "kv_scale must be a finite positive float"),
         (lambda a: a.update(kv_scale=float("nan")), "kv_scale must be a finite positive float"),
         (lambda a: a.update(sm_scale=float("inf")), "sm_scale must be a finite positive float"),
@@ -265,8 +265,8 @@ print("ok")
 
 def test_head_strides_past_int32_offsets_under_triton_interpreter():
     """q and out as views whose head offsets pass 2**31 elements (e.g. a transposed [H, T, 576]
-    buffer): head x stride was an int32 product that wrapped, and the kernels read and wrote
-    out of bounds."""
+    buffer) give what contiguous ones give, split and not: head x stride must not wrap as an int32
+    product would (reading and writing out of bounds)."""
     pytest.importorskip("triton")
     run_interpreted(_INTERPRETED_STRIDES)
 
@@ -309,8 +309,8 @@ def test_verify_causal(num_heads, q_len):
 def test_few_heads_over_pages_of_whole_wgmma_tiles(num_heads, q_len, kv_dtype):
     """Up to 8 heads (a tensor-parallel shard of 32-128 heads) over pages of 64. On SM90 the
     wgmma tile serves their 64-row tiles but for 3 heads (serves_heads): 1, 2 and 4 heads in query
-    boxes of 8 rows, several tokens' heads each (4 heads x 16 tokens, a 64-row tile, raised before
-    those boxes); 3 heads on the Triton 64-row tile. Decodes (q_len 1) plan narrower tiles here."""
+    boxes of 8 rows, several tokens' heads each (4 heads x 16 tokens make one 64-row tile); 3 heads
+    on the Triton 64-row tile. Decodes (q_len 1) plan narrower tiles here."""
     args, q = make_inputs([q_len, 300, 2048], [q_len] * 3, num_heads, 64, "cuda", kv_dtype=kv_dtype)
     plan, config = plan_for(args["q"], args["kv_cache"], args["block_tables"], q)
     sm90 = torch.cuda.get_device_capability()[0] == 9

@@ -186,8 +186,8 @@ def test_plan_bounds_are_where_shorter_contexts_plan_another_tile_or_half_the_sp
                                  dict(max_kv_len=2048.0), dict(batch_size=True),
                                  dict(num_sms=0)])
 def test_planning_rejects_bad_sizes(function, bad):
-    """Each function names itself and the argument (plan_bounds named a length it had derived
-    from a bad one, or raised AttributeError for a float)."""
+    """Each function refuses a bad size with a ValueError naming itself, the argument as the caller
+    passed it and its value (not a length derived from it, nor an AttributeError for a float)."""
     sizes = dict(batch_size=1, num_heads=16, max_q_len=1, max_kv_len=1024, num_sms=132, wide_tiles=True) | bad
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=f"{function.__name__}: {name} must be .*got {value!r}"):

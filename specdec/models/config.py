@@ -173,6 +173,8 @@ class DeepseekV3Config:
         """From a config.json dict; unknown keys are ignored. Reads both the public release's
         ``rope_theta`` + ``rope_scaling`` and transformers 5's ``rope_parameters``. A model_type
         other than DeepSeek-V3's or Kimi K2's is refused: missing fields would take V3's defaults."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
         kind = d.get("model_type")
         if kind is not None and kind not in _MODEL_TYPES:
             raise ValueError(f"config.json: model_type {kind!r} is not one this model implements {_MODEL_TYPES} "
