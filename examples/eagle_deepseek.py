@@ -32,6 +32,7 @@ from attn.base import KV_DIM, KV_DTYPES
 from attn.registry import backend_names
 from specdec.baseline import GreedyDecoder, sequence_logits
 from specdec.config import SpecConfig
+from specdec.kv import available_memory
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
 from specdec.sampling import SamplingParams
@@ -115,30 +116,18 @@ def spec_config(args: argparse.Namespace, backend: str, page_size: int, batch: i
 
 
 def kv_memory_refusal(cfg: SpecConfig, target: DeepseekV3ForCausalLM, draft: DeepseekMTP) -> Optional[str]:
-    """Why the batch's KV caches would not fit the device's free memory (None: they fit, or the
-    free memory is unknown): the worker's target and draft pools and target-only decoding's pool,
+    """Why the batch's KV caches would not fit the device's free memory (None: they fit): the worker's target and draft pools and target-only decoding's pool,
     each of cfg.pool_pages pages of 576-wide rows per layer."""
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype if cfg.kv_dtype == "auto" else KV_DTYPES[cfg.kv_dtype]
     layers = 2 * target.num_attention_layers + draft.num_attention_layers
     need = cfg.pool_pages * cfg.page_size * KV_DIM * dtype.itemsize * layers
-    free = free_memory(device)
-    if free is None or need <= free:
+    free = available_memory(device)
+    if need <= free:
         return None
     return (f"--batch-size {cfg.max_batch_size}: the KV caches of {cfg.max_batch_size} requests of up to "
             f"{cfg.max_context_len} tokens need about {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
             f"free on {device}; lower --batch-size (or --prompt-len, --max-new-tokens)")
-
-
-def free_memory(device: torch.device) -> Optional[int]:
-    """Bytes free on device (a GPU's, or the host's MemAvailable); None where unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 @dataclass

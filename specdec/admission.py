@@ -85,16 +85,17 @@ class Admission:
         (BatchPages.take); OutOfPagesError (or any failure) gives back what it took."""
         prompts, max_new_tokens, eos, sampling = new.prompts, new.max_new_tokens, new.eos_token_id, new.sampling
         made: list[Request] = []
+        held = self.pages.rows_held()
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling)):
                 # Ids are taken once add_requests succeeds: a refused or failed admission uses none.
-                req = Request(first_rid + i, list(prompt), max_new_tokens, eos, self.pages.pools[0].alloc_request(), -1,
-                              params, seq_len=len(prompt), last_n=last_step_n(len(prompt), max_new_tokens))
+                req = Request(first_rid + i, list(prompt), max_new_tokens, eos, -1, -1, params, seq_len=len(prompt),
+                              last_n=last_step_n(len(prompt), max_new_tokens))
                 made.append(req)
+                req.target_row = self.pages.pools[0].alloc_request()
                 req.draft_row = self.pages.pools[1].alloc_request()
                 self.pages.take((req.target_row, req.draft_row), len(prompt), max_new_tokens)
         except BaseException:
-            for req in made:
-                self.pages.release(req)
+            self.pages.free_rows_since(held)  # with a row an interrupt kept from reaching its request
             raise
         return made

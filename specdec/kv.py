@@ -8,12 +8,14 @@ slots all lie in page 0, so they read and write nothing of a real request.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from attn.base import KV_DIM, KVCacheView
+from specdec.config import ConfigError, SpecConfig
 
 PADDING_PAGE = 0
 PADDING_ROW = 0
@@ -62,12 +64,29 @@ class MLAKVPool:
         self.kv_buffers = [torch.zeros(num_pages, page_size, KV_DIM, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int32, device=self.device)
         self.kv_scale = kv_scale
-        self._free_pages = list(range(num_pages - 1, PADDING_PAGE, -1))  # pop() hands out low pages first
-        self._free_rows = list(range(max_requests, PADDING_ROW, -1))
-        self._requests: dict[int, _Request] = {}
         self.capacity = np.zeros(max_requests + 1, dtype=np.int64)  # tokens each row's pages hold: a vectorised per-step check
+        self._init_allocator()
         self._staging: torch.Tensor | None = None  # [2, n] int32, pinned on CUDA: see _write_slots
         self._staging_done: torch.cuda.Event | None = None  # CUDA: after the staging buffer's last copy
+
+    @staticmethod
+    def bytes_for(num_layers: int, num_pages: int, page_size: int, max_requests: int, max_context_len: int,
+                  dtype: torch.dtype) -> int:
+        """The bytes a pool of these sizes allocates: its KV pages and its req_to_token table."""
+        kv = num_layers * num_pages * page_size * KV_DIM * torch.empty((), dtype=dtype).element_size()
+        return kv + (max_requests + 1) * max_context_len * 4
+
+    def _init_allocator(self) -> None:
+        """Every page and row free (page 0 and row 0 are never handed out)."""
+        self._free_pages = list(range(self.num_pages - 1, PADDING_PAGE, -1))  # pop() hands out low pages first
+        self._free_rows = list(range(self.req_to_token.shape[0] - 1, PADDING_ROW, -1))
+        self._requests: dict[int, _Request] = {}
+        self.capacity[:] = 0
+
+    def reset(self) -> None:
+        """Free every row and page at once: every position points at the padding page again."""
+        self.req_to_token.zero_()
+        self._init_allocator()
 
     def view(self) -> KVCacheView:
         """What attention backends see of this pool."""
@@ -78,11 +97,14 @@ class MLAKVPool:
         return len(self._free_pages)
 
     def alloc_request(self) -> int:
-        """Reserve a req_to_token row; returns its index."""
+        """Reserve a req_to_token row; returns its index. The row is registered before it leaves
+        the free list: an interrupt between the two leaves it free, and the next call takes it."""
         if not self._free_rows:
-            raise OutOfPagesError(f"all {self.req_to_token.shape[0] - 1} request rows are in use; raise max_requests")
-        row = self._free_rows.pop()
+            raise OutOfPagesError(f"all {self.req_to_token.shape[0] - 1} request rows are in use "
+                                  "(SpecConfig.max_batch_size)")
+        row = self._free_rows[-1]
         self._requests[row] = _Request()
+        self._free_rows.pop()
         return row
 
     def _request(self, row: int) -> _Request:
@@ -181,6 +203,19 @@ class MLAKVPool:
         self.trim_many(rows, need)
         self.ensure_capacity_many(grow, exact)
 
+    def rows_held(self) -> frozenset[int]:
+        """The rows alloc_request has handed out (or was handing out when interrupted)."""
+        return frozenset(self._requests)
+
+    def free_rows_since(self, held: frozenset[int]) -> None:
+        """Free every row taken since rows_held() gave ``held``: a caller interrupted while it took
+        rows frees what it may not have received."""
+        for row in set(self._requests) - held:
+            if row in self._free_rows:  # alloc_request interrupted before the row left the list
+                del self._requests[row]
+            else:
+                self.free_request(row)
+
     def free_request(self, row: int) -> None:
         """Return every page of request ``row`` and its row."""
         self.trim(row, 0)
@@ -211,3 +246,30 @@ class MLAKVPool:
         if on_cuda:
             self._staging_done.record()
         self.req_to_token.view(-1)[index] = slots
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes ``device`` can still allocate: free CUDA memory and the blocks torch's allocator holds
+    unused, else the machine's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(config: SpecConfig, num_layers: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, naming the settings, a target and a draft pool (``num_layers`` each) that the device
+    could not hold: a ConfigError with the bytes asked for and the bytes available."""
+    asked = sum(MLAKVPool.bytes_for(layers, config.pool_pages, config.page_size, config.max_batch_size,
+                                    config.max_context_len, dtype) for layers in num_layers)
+    free = available_memory(device)
+    if asked > free:
+        raise ConfigError(
+            f"the KV pools need {asked / 2**30:.1f} GiB ({sum(num_layers)} layers x {config.pool_pages} pages "
+            f"(num_pages) x {config.page_size} tokens x {KV_DIM} x {dtype}, and req_to_token's (max_batch_size + 1) x "
+            f"max_context_len int32 a pool) but {device} has {free / 2**30:.1f} GiB available; lower num_pages, "
+            f"max_context_len or max_batch_size")

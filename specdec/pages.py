@@ -45,6 +45,16 @@ class BatchPages:
                     f"SpecConfig.num_pages or shorten the request"
                 )
 
+    def rows_held(self) -> tuple[frozenset[int], frozenset[int]]:
+        """The rows each pool has handed out (MLAKVPool.rows_held)."""
+        return tuple(pool.rows_held() for pool in self.pools)
+
+    def free_rows_since(self, held: tuple[frozenset[int], frozenset[int]]) -> None:
+        """Free the rows (and their pages) taken since rows_held() gave ``held``: what a failed or
+        interrupted admission took, whether or not its requests received them."""
+        for pool, rows in zip(self.pools, held):
+            pool.free_rows_since(rows)
+
     def release(self, req: Request) -> None:
         """Return a request's rows, and with them its pages, to both pools (those it holds)."""
         for pool, row in zip(self.pools, (req.target_row, req.draft_row)):

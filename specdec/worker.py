@@ -26,7 +26,8 @@ from specdec.batch import host_to_device
 from specdec.config import ConfigError, SpecConfig
 from specdec.device import on_device
 from specdec.draft import DraftModel, TargetModel, check_draft, check_target
-from specdec.kv import MLAKVPool, OutOfPagesError
+from specdec.guard import CallGuard, exclusive
+from specdec.kv import MLAKVPool, OutOfPagesError, check_memory
 from specdec.pages import BatchPages
 from specdec.prefill import Prefill
 from specdec.sampling import SamplingParams
@@ -68,6 +69,8 @@ class EagleWorker:
             except ValueError as err:
                 raise ConfigError(f"kv_dtype='auto' is the model's dtype, {name}: {err}") from None
 
+        check_memory(config, (target.num_attention_layers, draft.num_attention_layers), kv_dtype, self.device)
+
         def pool(num_layers: int) -> MLAKVPool:
             return MLAKVPool(num_layers, config.pool_pages, config.page_size, config.max_batch_size,
                              config.max_context_len, kv_dtype, self.device, config.kv_scale)
@@ -94,7 +97,7 @@ class EagleWorker:
                                self.dtype)
         self.spec_step = SpecStep(target, draft, config, pools, self.verify_backend, self.draft_backend,
                                   self.draft_extend_backend, HostCopy((bs, StepReport.width(steps)), self.device))
-        self.requests: list[Request] = []
+        self._requests: tuple[Request, ...] = ()
         self.state: Optional[DecodeState] = None
         self.last_tree: Optional[VerifyTree] = None  # the last step's, until the next (views of the backend's/graphs' buffers)
         self._graph_runner = None  # capture_graphs'
@@ -102,6 +105,7 @@ class EagleWorker:
         self._issued: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Request add_requests returned
         self._batch: Optional[BatchHost] = None  # host arrays of the running batch; None: rebuild
         self._in_flight: Optional[AcceptResult] = None  # launch_step's result until finish_step takes it
+        self._guard = CallGuard("EagleWorker", recovery="reset")
 
     @property
     def config(self) -> SpecConfig:
@@ -118,6 +122,11 @@ class EagleWorker:
         return self._in_flight
 
     @property
+    def requests(self) -> tuple[Request, ...]:
+        """The running requests, in the order of the device state's rows: read-only (a tuple)."""
+        return self._requests
+
+    @property
     def graph_runner(self):
         """The GraphRunner capture_graphs built (None: steps run eagerly)."""
         return self._graph_runner
@@ -128,6 +137,7 @@ class EagleWorker:
             raise RuntimeError(f"{call} while a step is in flight: finish_step(worker.in_flight) first")
 
     @on_device
+    @exclusive
     @torch.inference_mode()
     def add_requests(
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
@@ -151,38 +161,42 @@ class EagleWorker:
         if checked is None:
             return []
         prompts, max_new_tokens, eos_token_id = checked.prompts, checked.max_new_tokens, checked.eos_token_id
+        held = self.pages.rows_held()
         try:
-            new = self.admission.allocate(checked, self._next_rid)
-        except OutOfPagesError:
-            new = None
-        if new is None:  # (outside the except: trim_for's own error is the one to show)
-            # The running requests' grow-ahead pages come back first, as they do for a growing request.
-            self.pages.trim_for(self._batch_host(), [len(p) for p in prompts], max_new_tokens)
-            new = self.admission.allocate(checked, self._next_rid)
-        try:
+            try:
+                new = self.admission.allocate(checked, self._next_rid)
+            except OutOfPagesError:
+                new = None
+            if new is None:  # (outside the except: trim_for's own error is the one to show)
+                # The running requests' grow-ahead pages come back first, as they do for a growing request.
+                self.pages.trim_for(self._batch_host(), [len(p) for p in prompts], max_new_tokens)
+                new = self.admission.allocate(checked, self._next_rid)
             new_state = self.prefill.run(new)
             first = HostCopy(new_state.root.shape, self.device).fetch(new_state.root).tolist()
             keep = [i for i, token in enumerate(first) if not (max_new_tokens <= 1 or token == eos_token_id)]
             if keep:
                 new_state = new_state.select(torch.tensor(keep, device=self.device))
                 state = new_state if self.state is None else DecodeState.concat([self.state, new_state])
+            for i in set(range(len(new))) - set(keep):  # ended at its prefill: done with its pages
+                self.pages.release(new[i])
+            self._guard.broken = "add_requests"  # until the batch and the new requests agree again
         except BaseException:
-            for req in new:
-                self.pages.release(req)
+            self.pages.free_rows_since(held)  # the new requests' rows and pages, whether they received them or not
+            self._guard.broken = None
             raise
         self._next_rid += len(new)
         self._issued.update((id(req), req) for req in new)
         for i, (req, token) in enumerate(zip(new, first)):
             req.output.append(token)  # the prefill's token is the first output
-            if i not in keep:
-                req.finished = True
-                self.pages.release(req)
+            req.finished = i not in keep
         if keep:
             self.state = state
-            self.requests.extend(new[i] for i in keep)
+            self._requests += tuple(new[i] for i in keep)
             self._batch = None
+        self._guard.broken = None
         return new
 
+    @exclusive
     def capture_graphs(self, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False,
                        progress: bool = True, kv_bounds: bool = True):
         """Capture the step as CUDA graphs (graphs.runner.GraphRunner over ``spec_step``): every
@@ -197,12 +211,14 @@ class EagleWorker:
         self._graph_runner = GraphRunner(self.spec_step, batch_sizes, eager_fallback, progress, kv_bounds)
         return self._graph_runner
 
+    @exclusive
     def step(self) -> StepStats:
         """One spec-decode iteration over every running request; finished requests leave."""
         self.check_idle("step")
         return self.finish_step(self.launch_step())
 
     @on_device
+    @exclusive
     @torch.inference_mode()
     def launch_step(self) -> AcceptResult:
         """Reserve pages and enqueue the step's device work (graph replay or eager); no host sync."""
@@ -212,12 +228,16 @@ class EagleWorker:
         st, target_rows, draft_rows = self.step_inputs()
         out = None
         if self._graph_runner is not None:
+            self._guard.broken = "launch_step"  # a replay writes the next state over this one
             out = self._graph_runner.run(st, target_rows, draft_rows, self._batch_host().seq_len)
-        if out is None:
+        if out is None:  # eager: the state is replaced only below
+            self._guard.broken = None
             out = self.spec_step.run(st, target_rows, draft_rows)
+            self._guard.broken = "launch_step"
         result, self.state, self.last_tree = out
         self.spec_step.host_copy.start(result.emitted.shape[0])
         self._in_flight = result
+        self._guard.broken = None
         return result
 
     def step_inputs(self) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
@@ -229,6 +249,7 @@ class EagleWorker:
         return self.state, *h.device_rows
 
     @on_device
+    @exclusive
     def finish_step(self, result: AcceptResult) -> StepStats:
         """Wait for the step's copy to the host (enqueued by launch_step, of ``result`` and its
         stops); then the host bookkeeping, and finished requests leave."""
@@ -243,6 +264,7 @@ class EagleWorker:
         # The step's one call that may fail (out of memory) comes before any change: a finish_step
         # that raised there or in the wait (an interrupt) may be called again.
         state = self._state_without(finished)
+        self._guard.broken = "finish_step"  # from here to the end the batch changes host side only
         host_copy.release()
         self._in_flight = None
         h = self._batch_host()
@@ -253,9 +275,11 @@ class EagleWorker:
             req.output += row[:k]
             req.seq_len += k
         self._finish_rows(finished, state)
+        self._guard.broken = None
         return StepStats(report.accept_len.tolist(), int(report.take.sum()))
 
     @on_device
+    @exclusive
     @torch.inference_mode()
     def abort(self, requests: list[Request]) -> None:
         """Stop running ``requests`` now (e.g. to free pages for others): they leave the batch as
@@ -269,7 +293,29 @@ class EagleWorker:
                                  "Request this worker's add_requests returned (pass those objects, not ids or copies)")
         stop = {id(r) for r in requests}
         rows = [i for i, r in enumerate(self.requests) if id(r) in stop]
-        self._finish_rows(rows, self._state_without(rows))
+        state = self._state_without(rows)
+        self._guard.broken = "abort"  # a page release that fails leaves earlier ones done
+        self._finish_rows(rows, state)
+        self._guard.broken = None
+
+    @on_device
+    @exclusive
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Abort every request (running, or half admitted by an interrupted call) and return every
+        page and row: the recovery from a call interrupted between two of its state changes, which
+        every other call then refuses. Requests keep the tokens emitted so far; finished ones and
+        new ones are as after abort. A step in flight is waited for and dropped."""
+        if self._in_flight is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # its kernels read the pools' tables
+        for req in list(self._issued.values()):
+            req.finished = True
+            req.target_row = req.draft_row = -1
+        self.target_pool.reset()
+        self.draft_pool.reset()
+        self._requests, self.state, self.last_tree, self._batch, self._in_flight = (), None, None, None, None
+        self.spec_step.host_copy.release()
+        self._guard.broken = None
 
     def _state_without(self, rows: list[int]) -> Optional[DecodeState]:
         """The device state of the running requests but those at ``rows`` (None: none stay; the
@@ -287,10 +333,10 @@ class EagleWorker:
         if not rows:
             return
         for i in rows:
-            self.requests[i].finished = True
-            self.pages.release(self.requests[i])
+            self._requests[i].finished = True
+            self.pages.release(self._requests[i])
         leaving = set(rows)
-        self.requests = [r for i, r in enumerate(self.requests) if i not in leaving]
+        self._requests = tuple(r for i, r in enumerate(self._requests) if i not in leaving)
         self.state = state
         self._batch = None
 

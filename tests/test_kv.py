@@ -25,8 +25,8 @@ def test_slots_follow_pages_and_page_zero_is_never_handed_out():
 
 def test_a_failed_slot_write_gives_the_pages_back(monkeypatch):
     """ensure_capacity_many is all or nothing when the req_to_token write fails too (a copy to the
-    device: out of memory): the pages, capacities and block tables are as before, and the next
-    call maps the pages (they were held, unmapped, and never mapped again)."""
+    device: out of memory): free pages, capacities and block tables are unchanged, and the next
+    call maps every page it hands out (none is left held but unmapped)."""
     pool = make_pool()
     a, b = pool.alloc_request(), pool.alloc_request()
     pool.ensure_capacity(a, 3)
@@ -64,7 +64,7 @@ def test_context_limit_and_row_limit():
     with pytest.raises(ValueError, match="max_context_len"):
         pool.ensure_capacity(row, 17)
     pool.alloc_request(), pool.alloc_request()
-    with pytest.raises(OutOfPagesError, match="max_requests"):
+    with pytest.raises(OutOfPagesError, match="max_batch_size"):
         pool.alloc_request()
 
 
@@ -94,8 +94,9 @@ def test_growing_many_rows_is_one_all_or_nothing_write():
 
 
 def test_repeated_rows_and_negative_trims_are_refused_unchanged():
-    """From a review: a row listed twice got pages for both entries, written past its own
-    req_to_token row into the next request's; trim(row, -1) freed every page."""
+    """A row listed twice in ensure_capacity_many (its pages for both entries would be written past
+    its own req_to_token row, into the next request's) and trim(row, -1) (which would free every
+    page) are refused, leaving the tables, capacities and free pages as they were."""
     pool = make_pool(num_pages=9)
     a, b = pool.alloc_request(), pool.alloc_request()
     pool.ensure_capacity(b, 8)

@@ -92,8 +92,8 @@ def test_eos_and_max_new_tokens_end_requests_mid_step(target):
 
 def test_standalone_draft_lossless(target):
     """Also a draft narrower than the target, in another dtype: the graph runner's static state
-    (state_template) takes its hidden states as the draft gives them (it was sized as the
-    target's, which the runner's first copy refused)."""
+    (state_template) takes its hidden states as the draft gives them (the draft's width and dtype,
+    not the target's), and decoding stays lossless."""
     torch.manual_seed(5)
     small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1)).eval()
     narrow = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1, hidden_size=32)).to(torch.float64).eval()
@@ -111,8 +111,9 @@ def test_standalone_draft_lossless(target):
 
 @pytest.mark.parametrize("draft_vocab", [64, 128])
 def test_a_draft_of_another_vocabulary_is_refused_up_front(target, draft_vocab):
-    """Its proposals are target token ids: a wider draft proposed ids past the target's vocabulary
-    mid-step, a narrower one refused prompts it cannot embed, both only once requests ran."""
+    """Its proposals are target token ids, so its vocabulary must be the target's: a wider or
+    narrower one (which would propose ids past the target's vocabulary, or fail to embed prompts,
+    mid-run) is refused when the worker is built."""
     torch.manual_seed(5)
     small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1, vocab_size=draft_vocab)).eval()
     config = SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, draft_mode="standalone", max_context_len=64)
@@ -125,8 +126,8 @@ def test_a_draft_of_another_vocabulary_is_refused_up_front(target, draft_vocab):
 
 @pytest.mark.parametrize("setting", ["attention_backend", "decode_backend"])
 def test_a_backend_the_device_cannot_run_is_a_config_error_naming_its_setting(target, mtp, setting):
-    """A ValueError naming the role ('(target)') before, which an engine catching ConfigError (as
-    the example does) missed."""
+    """The refusal is a ConfigError, which an engine catching ConfigError (as the example does)
+    sees, naming the backend, its role and the setting to change."""
     config = SpecConfig(num_steps=2, max_context_len=64, **{setting: "triton_mla"})
     with pytest.raises(ConfigError, match=rf"triton_mla \(\w+\) needs a .* GPU but runs on the device cpu; set "
                                           rf"{setting} to one that runs here: \['torch_ref'\]"):
@@ -134,24 +135,24 @@ def test_a_backend_the_device_cannot_run_is_a_config_error_naming_its_setting(ta
 
 
 def test_drafts_the_settings_cannot_drive_are_refused_up_front(target, mtp):
-    """Both failed only at the first add_requests, in torch: a top-k past the vocabulary
-    ("selected index k out of range"), and an MTP head run standalone, given no hidden states
-    (an AttributeError inside the head). An ordinary LM in eagle mode ran, each token fed a
-    position early."""
+    """Refused when the worker is built, each naming the setting to change: a top-k past the
+    vocabulary (torch would fail at the first add_requests), an MTP head run standalone (given no
+    hidden states), and an ordinary LM in eagle mode (it would run, each token fed a position
+    early)."""
     with pytest.raises(ConfigError, match="topk 97 exceeds the vocabulary \\(96 tokens\\); lower topk"):
         EagleWorker(target, mtp, SpecConfig(num_steps=1, topk=97, num_draft_tokens=98, max_context_len=256))
     with pytest.raises(ConfigError, match="draft_mode='standalone' gives the draft no hidden states.*set "
                                           "draft_mode='eagle'"):
         EagleWorker(target, mtp, SpecConfig(num_steps=2, draft_mode="standalone", max_context_len=64))
     with pytest.raises(ConfigError, match="which this draft does not read \\(an ordinary LM\\); set "
-                                          "draft_mode='standalone'"):  # it ran, fed each token a position early
+                                          "draft_mode='standalone'"):  # not run with each token a position early
         EagleWorker(target, StandaloneDraft(target), SpecConfig(num_steps=2, max_context_len=64))
 
 
 def test_a_hidden_state_draft_unlike_the_target_is_refused_up_front(target):
-    """An MTP head reads the target's hidden states: one in another dtype failed in eh_proj at the
-    first add_requests ("expected m1 and m2 to have the same dtype"), one of another width or on
-    another device likewise. A standalone draft in another dtype runs, and is accepted."""
+    """An MTP head reads the target's hidden states: one in another dtype, on another device or of
+    another width is refused when the worker is built (not a matmul error in eh_proj at the first
+    add_requests). A standalone draft in another dtype runs, and is accepted."""
     for shares in (None, target):  # its own embedding and head, or the target's
         other_dtype = DeepseekMTP(target.config, target=shares, dtype=torch.bfloat16)
         with pytest.raises(ConfigError, match=r"the draft has parameters in \['torch.bfloat16'\] and the "
@@ -194,8 +195,8 @@ def test_more_bad_inputs_are_refused_up_front(target, mtp):
         (([[1, 2]], 0), {}, "max_new_tokens must be >= 1"),
         (([[1, 2]], 3.5), {}, "max_new_tokens must be an int"),
         (([[1, 2]], True), {}, "max_new_tokens must be an int"),
-        (([[1, 2]], torch.tensor(True)), {}, "max_new_tokens must be an int"),  # was taken as 1
-        (([torch.tensor([True, False])], 4), {}, r"each prompt must be a list of token ids \(ints\)"),  # was the prompt [1, 0]
+        (([[1, 2]], torch.tensor(True)), {}, "max_new_tokens must be an int"),  # not taken as 1
+        (([torch.tensor([True, False])], 4), {}, r"each prompt must be a list of token ids \(ints\)"),  # not the prompt [1, 0]
         (([[1, 2]], 4), dict(eos_token_id=torch.tensor([True])), "eos_token_id must be one int or None"),
         (([[1.5, 2.0]], 4), {}, r"each prompt must be a list of token ids \(ints\)"),
         (([[1, 2]], 4), dict(eos_token_id=[1, 2]), "eos_token_id must be one int or None"),
@@ -233,7 +234,7 @@ def test_a_failed_prefill_releases_the_new_requests(target, mtp):
         worker.add_requests(prompts(2, seed=14), 8)
     worker.prefill._pass = prefill_pass
     assert free_pages(worker) == free
-    assert worker.requests == reqs
+    assert worker.requests == tuple(reqs)
     more = worker.add_requests(prompts(2, seed=14), 8)  # the rows came back: room for two more
     assert [r.rid for r in reqs + more] == [0, 1, 2, 3]  # the failed admission used no request ids
     drain(worker)
@@ -271,8 +272,8 @@ def test_a_finish_step_or_abort_that_fails_changes_nothing(target, mtp, monkeypa
     """The batch's state shrinks by a gather on the device, which may run out of memory: a
     finish_step or abort where it fails changes nothing (requests, outputs, pages, state), and
     finish_step(worker.in_flight) / abort again then complete it; the decode stays target-only
-    greedy. (Before, the requests left and the state kept their rows: the next step failed, or ran
-    a new request on another's state.)"""
+    greedy. A half-done shrink would let requests leave while the state kept their rows: the next
+    step would fail, or run a new request on another's state."""
     from specdec.state import DecodeState
 
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, max_batch_size=4, max_context_len=64))
@@ -293,7 +294,7 @@ def test_a_finish_step_or_abort_that_fails_changes_nothing(target, mtp, monkeypa
     assert after[:4] == before[:4] and torch.equal(after[4], before[4])
     failing[0] = False
     worker.abort([aborted])
-    assert aborted.finished and worker.requests == others
+    assert aborted.finished and worker.requests == tuple(others)
     failed = False
     while worker.requests:
         result = worker.launch_step()
@@ -344,8 +345,8 @@ def test_tokens_go_to_the_host_before_draft_extend(target, mtp, monkeypatch):
 
 def test_an_engine_editing_its_requests_changes_no_decode(target, mtp):
     """Clearing output already streamed, or lowering max_new_tokens, then a batch change: the
-    worker's record of N and of each request's limits stays its own (N was recomputed from the
-    output, the pages' cap from max_new_tokens, and the decode went on with wrong tokens)."""
+    worker's record of N and of each request's limits stays its own (not recomputed from the
+    output or from max_new_tokens), and both requests decode target-only greedy tokens."""
     worker = EagleWorker(target, mtp, SpecConfig(num_steps=2, page_size=4, max_batch_size=3, max_context_len=128))
     group = prompts(2, seed=19)
     reqs = worker.add_requests(group, 60)
@@ -371,14 +372,14 @@ def test_abort_frees_a_request_and_the_rest_run_on(target, mtp):
     for wrong, needle in ((reqs[1], r"abort takes a list of the Requests add_requests returned: abort\(\[request\]\), got Request"),
                           ([reqs[1].rid], "int 1 is not a Request this worker's add_requests returned"),
                           ([copy.copy(reqs[1])], "Request 1 is not a Request this worker's add_requests returned")):
-        with pytest.raises(ValueError, match=needle):  # by id or with a copy, it freed nothing and said nothing
+        with pytest.raises(ValueError, match=needle):  # by id or with a copy: refused, nothing freed
             worker.abort(wrong)
-    assert worker.requests == reqs
-    # By identity, as abort takes them: an engine keys its tables by them (a dataclass was unhashable).
+    assert worker.requests == tuple(reqs)
+    # Hashable and compared by identity, as abort takes them: an engine keys its tables by them.
     assert len({*reqs}) == 3 and copy.copy(reqs[1]) != reqs[1]
     worker.abort([reqs[1]])
     worker.abort([reqs[1]])  # no longer running: nothing to do
-    assert reqs[1].finished and reqs[1].output == emitted and worker.requests == [reqs[0], reqs[2]]
+    assert reqs[1].finished and reqs[1].output == emitted and worker.requests == (reqs[0], reqs[2])
     drain(worker)
     expected = greedy_generate(target, group, 12)
     assert [reqs[0].output, reqs[2].output] == [expected[0], expected[2]]
@@ -444,9 +445,9 @@ def test_the_workers_config_is_read_only(target, mtp):
     with pytest.raises(ConfigError, match=r"read-only.*dataclasses.replace\(worker.config, topk=\.\.\.\)"):
         worker.config.topk = 2
     with pytest.raises(ConfigError, match="read-only"):
-        del worker.config.max_context_len  # (read the class default, 512)
+        del worker.config.max_context_len  # (would read the class default, 512)
     with pytest.raises(AttributeError):
-        worker.config = dataclasses.replace(worker.config, max_context_len=128)  # (admitted what the pools could not hold)
+        worker.config = dataclasses.replace(worker.config, max_context_len=128)  # (would admit what the pools cannot hold)
     with pytest.raises(AttributeError):
         worker.config.cuda_graph_batch_sizes.append(2)  # a tuple: GraphRunner's default buckets stay
     worker.config.validate()  # validating it again normalises nothing new and is allowed

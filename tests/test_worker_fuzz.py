@@ -2,7 +2,8 @@
 greedy decoding (CPU, torch_ref, fp32; on a GPU also triton_mla and flashinfer_mla over bf16 caches
 and triton_mla over scaled fp8 ones, eager and under CUDA graphs).
 
-Each seed draws a SpecConfig (chains and trees, EAGLE and standalone drafts, page sizes 1-32,
+Each seed draws a SpecConfig (chains and trees, EAGLE and standalone drafts, among them a noisy twin of
+the target that accepts part of each tree, page sizes 1-32,
 prefill passes down to one token, small page pools) and runs waves of requests that join a running
 batch, with one-token and longest-admitted prompts, eos ids met mid-step, one-token requests,
 sampled requests beside greedy ones, aborts, step() and launch_step/finish_step, and recovery from
@@ -10,14 +11,14 @@ OutOfPagesError by aborting; then a last greedy request of several tokens alone.
 greedy request's output is a prefix of target-only decoding's (cut after its eos) and all of it
 once finished unaborted; no request passes its limits; every eager pass writes kv only into its
 requests' own pages and attends within them; prefill passes keep to max_prefill_tokens; a refused
-admission changes nothing; every page comes back and (eager) the padding page is never written. (A
-12,000-seed run of this kind found nothing; six bugs injected one at a time into the worker's
-limits, headroom, pass cuts, kv commit and page room each fail at least one of these 40 seeds.)
-More seeds: ``python -m pytest tests/test_worker_fuzz.py --fuzz-seeds N`` (tests/conftest.py).
+admission changes nothing; every page comes back and (eager) the padding page is never written.
+test_the_fuzzer_catches_a_planted_tree_bug plants a skipped tree-KV commit and a wrong tree mask and
+asserts the seeds catch them. More seeds: ``python -m pytest tests/test_worker_fuzz.py --fuzz-seeds N``.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -39,11 +40,24 @@ from spec_helpers import VOCAB, capturing, kernel_errors, make_models, tiny_conf
 _GREEDY: dict[tuple, list[int]] = {}
 
 
+def noisy_twin(target: DeepseekV3ForCausalLM, noise: float = 0.5, seed: int = 9) -> DeepseekV3ForCausalLM:
+    """A copy of ``target`` whose head weights carry Gaussian noise (``noise`` times their std): as
+    a standalone draft it agrees with the target part of the time at every depth, so trees accept
+    some paths and reject others, and a wrong mask or a skipped kv commit shows in the output."""
+    twin = copy.deepcopy(target)
+    weight = twin.lm_head.weight
+    with torch.no_grad():
+        noise_t = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)).to(weight.device)
+        weight.add_(noise * weight.std() * noise_t)
+    return twin
+
+
 def draft_models(target, mtp) -> dict:
     """The drafts a seed chooses from, on ``target``'s device."""
     torch.manual_seed(5)
     small = DeepseekV3ForCausalLM(tiny_config(num_hidden_layers=1)).to(next(target.parameters()).device).eval()
-    return {"eagle": mtp, "target as draft": StandaloneDraft(target), "small lm": StandaloneDraft(small)}
+    return {"eagle": mtp, "target as draft": StandaloneDraft(target), "small lm": StandaloneDraft(small),
+            "noisy twin": StandaloneDraft(noisy_twin(target))}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +111,7 @@ def random_config(rng: random.Random, backend: str = "torch_ref", kv_dtype: str 
     a ``kv_dtype`` cache off torch_ref (fp8_e4m3: with a random kv_scale)."""
     trees = get_backend_class(backend).supports_tree_mask
     while True:
-        draft = rng.choice(["eagle", "eagle", "target as draft", "small lm"])
+        draft = rng.choice(["eagle", "eagle", "target as draft", "small lm", "noisy twin", "noisy twin", "noisy twin"])
         num_steps = rng.randint(1, 5)
         topk = rng.choice([1, 1, 2, 3, 4]) if trees else 1
         page_size = rng.choice([1, 2, 4, 8, 16, 32])
@@ -140,6 +154,47 @@ def test_engine_driven_worker_matches_target_only_decoding(seed, target, drafts,
     drive(random.Random(seed), target, drafts, kv_writes)
 
 
+def tree_bug(name: str, monkeypatch) -> None:
+    """Plant a tree bug the fuzzer must catch: the accepted path's kv left where verify wrote it,
+    or a verify mask through which every node sees every earlier one (siblings included)."""
+    import specdec.step
+    import specdec.tree
+
+    if name == "skipped tree-KV commit":
+        monkeypatch.setattr(specdec.step.SpecStep, "commit_kv", lambda self, st, result, rows: None)
+        return
+    build = specdec.tree.DraftTree.build
+
+    def causal(self, root, num_draft_tokens, num_steps, mask_out=None):
+        tree = build(self, root, num_draft_tokens, num_steps, mask_out)
+        tree.mask.copy_(torch.ones(tree.mask.shape[1:], dtype=torch.bool).tril().expand_as(tree.mask))
+        return tree
+
+    monkeypatch.setattr(specdec.tree.DraftTree, "build", causal)
+
+
+# Of the CPU seeds 0-39, those drafting trees with the noisy twin: partial acceptance at every depth.
+TWIN_TREE_SEEDS = [seed for seed in range(40) if (lambda d, c: d == "noisy twin" and c.topk > 1)(
+    *random_config(random.Random(seed), "torch_ref", "bf16"))]
+
+
+@pytest.mark.parametrize("bug, least", [("skipped tree-KV commit", 5), ("a mask that shows siblings", 11)])
+def test_the_fuzzer_catches_a_planted_tree_bug(bug, least, target, drafts, kv_writes, monkeypatch):
+    """With the bug planted, the fuzzer fails on at least ``least`` of the noisy twin's tree seeds
+    (of 12): a mask bug shows on nearly all, a skipped commit on about half (one wrong kv row in a
+    long context seldom flips the tiny target's argmax)."""
+    assert len(TWIN_TREE_SEEDS) == 12
+    tree_bug(bug, monkeypatch)
+    caught = 0
+    for seed in TWIN_TREE_SEEDS:
+        try:
+            drive(random.Random(seed), target, drafts, kv_writes)
+        except AssertionError:
+            caught += 1
+        kv_writes.violations.clear()
+    assert caught >= least, (bug, caught)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("backend,kv_dtype", [("triton_mla", "bf16"), ("flashinfer_mla", "bf16"),
@@ -151,15 +206,11 @@ def test_engine_driven_gpu_worker_matches_target_only_decoding(seed, backend, kv
     on its inputs, and greedy outputs equal to target-only decoding on the same backend, cache and
     page size.
 
-    The outputs are compared exactly, on these seeds. Rounding can flip a greedy choice between two
-    close logits, as a batch's passes round otherwise than one request's decodes. Further seeds,
-    each run once on an H100, eager and graphed: 62 over bf16 caches on both backends (248 runs;
-    43,501 eager kernel calls checked in the last 120, the worst 0.69% off) and 37 over fp8 caches
-    (74 runs; 25,560 calls, the worst 0.75% off). One bf16 seed on flashinfer_mla, eager and graphed,
-    emitted the token an fp32 query picks (0.11 ahead in the logits) where target-only decoding,
-    bf16 query, picked the runner-up (then 0.12 ahead). Each of that run's 231 kernel calls was
-    within 0.7% of the reference, and the request alone in a worker decoded as target-only decoding
-    did."""
+    The outputs are compared exactly, on these seeds. Over a 16-bit cache rounding can flip a greedy
+    choice between two close logits, as a batch's passes round otherwise than one request's
+    decodes: a mismatch on further seeds (--fuzz-seeds) whose kernel calls are all within 2% and
+    whose request decodes alone as target-only decoding does is such a near-tie, not a bug
+    (docs/embedding.md records the one the GPU runs met)."""
     target, drafts = gpu_models
     errors = kernel_errors(monkeypatch, backend)
     drive(random.Random(1000 + seed), target, drafts, kv_writes, backend=backend, graphs=graphs, kv_dtype=kv_dtype)

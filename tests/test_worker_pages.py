@@ -23,8 +23,8 @@ def padding_pages_untouched(worker) -> bool:
 
 def test_trees_smaller_than_their_depth_commit_only_inside_their_pages():
     """topk 2, num_steps 5, num_draft_tokens 3: the accepted path is at most 2 tokens past N, and
-    commit_kv must not copy the path's padding columns to N + 3..N + 5, past the request's pages.
-    A reused row's stale positions pointed there at pages another running request now held."""
+    commit_kv must not copy the path's padding columns to N + 3..N + 5, past the request's pages:
+    in a reused row those positions may still name pages another running request now holds."""
     target, mtp = make_models()
     cfg = SpecConfig(num_steps=5, topk=2, num_draft_tokens=3, page_size=4, max_batch_size=2, max_context_len=64)
     worker = EagleWorker(target, mtp, cfg)
@@ -54,8 +54,8 @@ def test_grow_ahead_pages_come_back_before_a_step_runs_out():
 
 def test_grow_ahead_stops_at_a_requests_last_step(target, mtp):
     """A request grows ahead only as far as its last possible step needs: 3 prompt tokens and 4
-    new ones never need more than 2 pages of 4 (it held 4, and a request that fitted beside its 2
-    was refused with OutOfPagesError)."""
+    new ones never need more than 2 pages of 4, so it holds 2 and a request that fits beside them
+    is admitted."""
     cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=10)
     worker = EagleWorker(target, mtp, cfg)
     short, = worker.add_requests([[1, 2, 3]], 4)
@@ -71,7 +71,7 @@ def test_grow_ahead_stops_at_a_requests_last_step(target, mtp):
 
 def test_admission_takes_back_grow_ahead_pages(target, mtp):
     """A new request that fits once the running ones hand back the pages they took ahead of their
-    next step is admitted (it was refused with OutOfPagesError), and both decode as target-only
+    next step is admitted (not refused with OutOfPagesError), and both decode as target-only
     decoding does."""
     cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=12)
     worker = EagleWorker(target, mtp, cfg)
@@ -92,7 +92,7 @@ def test_admission_takes_back_grow_ahead_pages(target, mtp):
 def test_standalone_admission_counts_the_draft_pools_extra_position(target):
     """A standalone draft's pool holds one position more than the target's (the first output): an
     admission that fits the target's pages but not the draft's is refused and takes no grow-ahead
-    page back (it took them back, then failed)."""
+    page back (the check comes before any page is taken back)."""
     cfg = SpecConfig(num_steps=1, topk=1, draft_mode="standalone", page_size=4, max_batch_size=2, max_context_len=64,
                      num_pages=12)
     worker = EagleWorker(target, StandaloneDraft(target), cfg)
@@ -112,8 +112,8 @@ def test_standalone_admission_counts_the_draft_pools_extra_position(target):
 
 
 def test_admission_holds_the_first_steps_pages(target, mtp):
-    """A request is admitted only with the pages of its first step (it held its prompt's, and the
-    next step then raised OutOfPagesError): refused, it changes nothing; the running request
+    """A request is admitted only with the pages of its first step, not only its prompt's (the
+    next step would raise OutOfPagesError): refused, it changes nothing; the running request
     finishes, and then it fits."""
     cfg = SpecConfig(num_steps=1, topk=1, page_size=4, max_batch_size=2, max_context_len=64, num_pages=12)
     worker = EagleWorker(target, mtp, cfg)
@@ -123,7 +123,7 @@ def test_admission_holds_the_first_steps_pages(target, mtp):
     with pytest.raises(OutOfPagesError, match="needs the target pool 10 pages, 9 free and 0 held ahead of need and "
                                               "the draft pool 10 pages, 9 free"):
         worker.add_requests([late_prompt], 2)
-    assert free_pages(worker) == (9, 9) and worker.requests == [early]
+    assert free_pages(worker) == (9, 9) and worker.requests == (early,)
     drain(worker)
     late, = worker.add_requests([late_prompt], 2)
     assert [worker.target_pool.capacity[late.target_row], worker.draft_pool.capacity[late.draft_row]] == [40, 40]
@@ -144,7 +144,7 @@ def test_a_request_longer_than_the_pool_is_refused(target, mtp):
     with pytest.raises(ValueError, match="needs 12 KV pages of the target pool at its last step, which has 11; "
                                          "raise SpecConfig.num_pages"):
         worker.add_requests([[5], [5, 6]], 43)  # [5, 6]'s last step at N = 43 writes up to 45 ([5]: 44)
-    assert free_pages(worker) == free and worker.requests == [running]
+    assert free_pages(worker) == free and worker.requests == (running,)
     drain(worker)
     longest, = worker.add_requests([[5, 6]], 42)  # up to 44: 11 pages
     drain(worker)
@@ -204,10 +204,10 @@ def test_a_request_of_one_new_token_needs_only_its_prompt(target, mtp, draft_mod
 
 
 def test_a_step_refused_for_pages_changes_neither_pool():
-    """The target pool grew before the draft pool ran short (and a pool trimmed its grow-ahead
-    before finding too few): the refused step had taken pages. Scans pool sizes for steps that run
-    out, each of which must leave free pages and every request's capacity as they were, and
-    decode losslessly once a request is aborted."""
+    """A step refused for pages takes none, even where the target pool could grow before the draft
+    pool runs short, or a pool trims its grow-ahead before finding too few. Scans pool sizes for
+    steps that run out, each of which must leave free pages and every request's capacity as they
+    were, and decode losslessly once a request is aborted."""
     from toy_models import ToyTarget, noisy_twin
 
     target = ToyTarget(vocab=64)
