@@ -37,6 +37,7 @@ from attn.values import int_list
 from graphs.joined import JoinedGraph
 from specdec.accept import AcceptResult
 from specdec.device import on_device
+from specdec.guard import CallGuard, exclusive
 from specdec.kv import PADDING_ROW
 from specdec.state import DecodeState
 from specdec.step import SpecStep
@@ -129,6 +130,7 @@ class GraphRunner:
                              "backend:cudaMallocAsync from PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF")
         self.step = step
         self.device = step.device
+        self._guard = CallGuard("GraphRunner")
         cfg = step.config
         sizes = [] if batch_sizes is None else int_list(batch_sizes, "batch_sizes must be a list of ints")
         if batch_sizes is not None and not sizes:
@@ -233,6 +235,7 @@ class GraphRunner:
             return None
         return next(bound for bound in bounds if bound is None or longest <= bound)
 
+    @exclusive
     def run(self, state: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor,
             seq_lens: np.ndarray) -> Optional[tuple[AcceptResult, DecodeState, VerifyTree]]:
         """Replay the step for a live batch (state: a DecodeState, rows ``[b]`` int64, seq_lens:
@@ -260,6 +263,7 @@ class GraphRunner:
         self._resident = (*vars(state).values(), target_rows, draft_rows)
         return result, state, tree
 
+    @exclusive
     def replay(self, bucket: int, kind: Optional[str] = None, kv_bound: Optional[int] = None) -> None:
         """The bucket's step for ``kv_bound`` (all kinds, one launch) or one kind of graph alone, on
         the static inputs as they are; kinds replayed alone must come in GRAPH_KINDS order."""

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import torch
 
 from attn.base import KV_DTYPES
 from attn.registry import (
-    BackendChoice, backend_names, check_context_len, check_kv_dtype, check_page_size, check_query_lens, check_tree_support,
-    resolve_backends,
+    BackendChoice, backend_names, check_context_len, check_device, check_kv_dtype, check_page_size, check_query_lens,
+    check_tree_support, resolve_backends,
 )
 from attn.values import int_list, is_kv_scale, require_int
 from specdec.batch import MAX_PREFILL_TOKENS
@@ -121,6 +122,23 @@ class SpecConfig:
     @property
     def backends(self) -> BackendChoice:
         return resolve_backends(self.attention_backend, self.decode_backend, self.prefill_backend)
+
+    def cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The KV caches' dtype on ``device`` for a model of ``model_dtype`` (kv_dtype 'auto': the
+        model's, which must suit the backends as a named one would). ConfigError where a backend
+        cannot run on the device or take that dtype."""
+        try:
+            check_device(self.backends, device)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.kv_dtype != "auto":
+            return KV_DTYPES[self.kv_dtype]
+        name = next((n for n, d in KV_DTYPES.items() if d == model_dtype), str(model_dtype))
+        try:
+            check_kv_dtype(self.backends, name)
+        except ValueError as err:
+            raise ConfigError(f"kv_dtype='auto' is the model's dtype, {name}: {err}") from None
+        return model_dtype
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid setting. EagleWorker validates again, so a

@@ -16,9 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attn.base import KV_DTYPES
 from attn.multistep import MultiStepDraftBackend
-from attn.registry import check_device, check_kv_dtype
 from attn.values import item_list
 from specdec.accept import AcceptResult
 from specdec.admission import Admission
@@ -56,19 +54,7 @@ class EagleWorker:
         check_draft(draft, target, config)
         self.target, self.draft = target, draft
         self.draft_offset = 0 if config.draft_mode == "eagle" else 1
-        choice = config.backends
-        try:
-            check_device(choice, self.device)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        kv_dtype = self.dtype if config.kv_dtype == "auto" else KV_DTYPES[config.kv_dtype]
-        if config.kv_dtype == "auto":  # the model's dtype must suit the backends as a named one would
-            name = next((n for n, d in KV_DTYPES.items() if d == kv_dtype), str(kv_dtype))
-            try:
-                check_kv_dtype(choice, name)
-            except ValueError as err:
-                raise ConfigError(f"kv_dtype='auto' is the model's dtype, {name}: {err}") from None
-
+        kv_dtype = config.cache_dtype(self.dtype, self.device)
         check_memory(config, (target.num_attention_layers, draft.num_attention_layers), kv_dtype, self.device)
 
         def pool(num_layers: int) -> MLAKVPool:
@@ -78,7 +64,7 @@ class EagleWorker:
         self.target_pool, self.draft_pool = pool(target.num_attention_layers), pool(draft.num_attention_layers)
         self.pages = BatchPages(self.target_pool, self.draft_pool, config.num_draft_tokens, self.draft_offset,
                                 config.draft_region_len)
-        classes = choice.classes()
+        classes = config.backends.classes()
         bs, ndt, steps, topk = config.max_batch_size, config.num_draft_tokens, config.num_steps, config.topk
         tview, dview = self.target_pool.view(), self.draft_pool.view()
         try:  # backends check the model's heads and the passes' sizes against their kernels here
