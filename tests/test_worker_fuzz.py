@@ -1,19 +1,20 @@
-"""The worker driven as an engine drives it, on random configurations, against target-only
-greedy decoding (CPU, torch_ref, fp32; on a GPU also triton_mla and flashinfer_mla over bf16 caches
-and triton_mla over scaled fp8 ones, eager and under CUDA graphs).
+"""The worker driven as an engine drives it, on random configurations, against target-only greedy
+decoding (CPU, torch_ref, fp32; on a GPU also triton_mla and flashinfer_mla over bf16 caches and
+triton_mla over scaled fp8 ones, eager and under CUDA graphs).
 
-Each seed draws a SpecConfig (chains and trees, EAGLE and standalone drafts, among them a noisy twin of
-the target that accepts part of each tree, page sizes 1-32,
-prefill passes down to one token, small page pools) and runs waves of requests that join a running
-batch, with one-token and longest-admitted prompts, eos ids met mid-step, one-token requests,
-sampled requests beside greedy ones, aborts, step() and launch_step/finish_step, and recovery from
-OutOfPagesError by aborting; then a last greedy request of several tokens alone. Checked: every
-greedy request's output is a prefix of target-only decoding's (cut after its eos) and all of it
-once finished unaborted; no request passes its limits; every eager pass writes kv only into its
-requests' own pages and attends within them; prefill passes keep to max_prefill_tokens; a refused
-admission changes nothing; every page comes back and (eager) the padding page is never written.
-test_the_fuzzer_catches_a_planted_tree_bug plants a skipped tree-KV commit and a wrong tree mask and
-asserts the seeds catch them. More seeds: ``python -m pytest tests/test_worker_fuzz.py --fuzz-seeds N``.
+Each seed draws a SpecConfig (chains and trees, EAGLE and standalone drafts, among them a noisy twin
+of the target that accepts part of each tree, page sizes 1-32, prefill passes down to one token,
+small page pools) and runs waves of requests that join a running batch, with one-token and longest-
+admitted prompts, eos ids met mid-step, one-token requests, sampled requests beside greedy ones,
+aborts, step() and launch_step/finish_step, and recovery from OutOfPagesError by aborting; then a
+last greedy request of several tokens alone. Checked: every greedy request's output is a prefix of
+target-only decoding's (cut after its eos) and all of it once finished unaborted; a released
+request's target kv is a prefill's of its tokens (torch_ref); no request passes its limits; every
+eager pass writes kv only into its requests' own pages and attends within them; prefill passes keep
+to max_prefill_tokens; a refused admission changes nothing; every page comes back and (eager) the
+padding page is never written. test_the_fuzzer_catches_a_planted_tree_bug plants a skipped tree-KV
+commit and a wrong tree mask and asserts the seeds catch them. More seeds: ``python -m pytest
+tests/test_worker_fuzz.py --fuzz-seeds N``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 
 from attn.base import KV_DTYPES
 from attn.paged import PagedMLABackend
-from attn.registry import get_backend_class
-from specdec.baseline import greedy_generate
+from attn.registry import get_backend_class, resolve_backends
+from specdec.baseline import _Session, greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.kv import MLAKVPool, OutOfPagesError
@@ -178,10 +179,10 @@ TWIN_TREE_SEEDS = [seed for seed in range(40) if (lambda d, c: d == "noisy twin"
     *random_config(random.Random(seed), "torch_ref", "bf16"))]
 
 
-@pytest.mark.parametrize("bug, least", [("skipped tree-KV commit", 5), ("a mask that shows siblings", 11)])
-def test_the_fuzzer_catches_a_planted_tree_bug(bug, least, target, drafts, kv_writes, monkeypatch):
-    """With the bug planted, the fuzzer fails on at least ``least`` of the noisy twin's tree seeds
-    (of 12): a mask bug shows on nearly all, a skipped commit on about half (one wrong kv row in a
+@pytest.mark.parametrize("bug", ["skipped tree-KV commit", "a mask that shows siblings"])
+def test_the_fuzzer_catches_a_planted_tree_bug(bug, target, drafts, kv_writes, monkeypatch):
+    """With the bug planted, the fuzzer fails on at least 11 of the noisy twin's 12 tree seeds:
+    through the outputs, or through the committed kv checked at each release (one wrong kv row in a
     long context seldom flips the tiny target's argmax)."""
     assert len(TWIN_TREE_SEEDS) == 12
     tree_bug(bug, monkeypatch)
@@ -192,7 +193,7 @@ def test_the_fuzzer_catches_a_planted_tree_bug(bug, least, target, drafts, kv_wr
         except AssertionError:
             caught += 1
         kv_writes.violations.clear()
-    assert caught >= least, (bug, caught)
+    assert caught >= 11, (bug, caught)
 
 
 @pytest.mark.gpu
@@ -217,6 +218,34 @@ def test_engine_driven_gpu_worker_matches_target_only_decoding(seed, backend, kv
     assert errors and all(error < 0.02 for error in errors), (len(errors), max(errors, default=None))
 
 
+def committed_kv(pool: MLAKVPool, row: int, n: int) -> torch.Tensor:
+    """``[layers, n, 576]``: the kv a pool holds for positions [0, n) of req_to_token row ``row``."""
+    loc = pool.req_to_token[row, :n].long()
+    return torch.stack([cache.flatten(0, 1)[loc] for cache in pool.kv_buffers])
+
+
+def check_kv_on_release(worker: EagleWorker, target, watch: Watch) -> None:
+    """Before a request's pages go back, its target kv for positions [0, N) must be a prefill's of
+    its tokens there (prompt, then outputs): a verify whose accepted path was not moved into place
+    (or a wrong tree mask) leaves other rows there, which a greedy output may never show."""
+    release = worker.pages.release
+
+    def checked(req) -> None:
+        n = req.seq_len
+        if req.target_row >= 0 and n > 0:
+            tokens = (req.prompt + req.output)[:n]
+            with torch.inference_mode():
+                fresh = _Session(target, [tokens], -(-n // 8) * 8, 8, resolve_backends("torch_ref"), None)
+            want = committed_kv(fresh.pool, int(fresh.rows[0]), n)
+            got = committed_kv(worker.target_pool, req.target_row, n)
+            if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+                bad = (got - want).abs().amax(dim=(0, 2)).gt(1e-4).nonzero().flatten().tolist()
+                watch.violations.append(f"request {req.rid}: target kv of positions {bad[:5]} of {n} is not its tokens'")
+        release(req)
+
+    worker.pages.release = checked
+
+
 def drive(rng: random.Random, target, drafts: dict, watch: Watch, backend: str = "torch_ref",
           graphs: bool = False, kv_dtype: str = "bf16") -> None:
     """One random configuration and engine run on ``rng`` (see the module docstring)."""
@@ -229,6 +258,8 @@ def drive(rng: random.Random, target, drafts: dict, watch: Watch, backend: str =
                                                        kv_dtype=KV_DTYPES[cfg.kv_dtype], kv_scale=cfg.kv_scale)
     watch.pools += [worker.target_pool, worker.draft_pool]
     watch.max_prefill_tokens = cfg.max_prefill_tokens
+    if backend == "torch_ref":
+        check_kv_on_release(worker, target, watch)
     def free() -> tuple[int, int]:
         return worker.target_pool.num_free_pages, worker.draft_pool.num_free_pages
 
