@@ -23,16 +23,15 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from safetensors import SafetensorError
 
-from attn.base import KV_DIM, KV_DTYPES
+from attn.base import KV_DTYPES
 from attn.registry import backend_names
 from specdec.baseline import GreedyDecoder, sequence_logits
 from specdec.config import SpecConfig
-from specdec.kv import available_memory
+from specdec.kv import check_memory
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
 from specdec.sampling import SamplingParams
@@ -83,6 +82,7 @@ FLAGS = {
     "attention_backend": "--backend", "decode_backend": "--backend", "prefill_backend": "--backend",
     "num_steps": "--num-steps", "topk": "--topk", "num_draft_tokens": "--num-draft-tokens",
     "kv_dtype": "--kv-dtype", "page_size": "--page-size", "max_batch_size": "--batch-size",
+    "num_pages": "the KV pages (--batch-size full contexts)",
     "max_context_len": "the context length (--prompt-len + --max-new-tokens)", "max_new_tokens": "--max-new-tokens",
     "enable_sampling": "--temperature", "temperature": "--temperature",
 }
@@ -115,21 +115,6 @@ def spec_config(args: argparse.Namespace, backend: str, page_size: int, batch: i
                                max_context_len=context_len(longest_prompt, args.max_new_tokens, cfg))
 
 
-def kv_memory_refusal(cfg: SpecConfig, target: DeepseekV3ForCausalLM, draft: DeepseekMTP) -> Optional[str]:
-    """Why the batch's KV caches would not fit the device's free memory (None: they fit): the worker's target and draft pools and target-only decoding's pool,
-    each of cfg.pool_pages pages of 576-wide rows per layer."""
-    device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype if cfg.kv_dtype == "auto" else KV_DTYPES[cfg.kv_dtype]
-    layers = 2 * target.num_attention_layers + draft.num_attention_layers
-    need = cfg.pool_pages * cfg.page_size * KV_DIM * dtype.itemsize * layers
-    free = available_memory(device)
-    if need <= free:
-        return None
-    return (f"--batch-size {cfg.max_batch_size}: the KV caches of {cfg.max_batch_size} requests of up to "
-            f"{cfg.max_context_len} tokens need about {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
-            f"free on {device}; lower --batch-size (or --prompt-len, --max-new-tokens)")
-
-
 @dataclass
 class Measurement:
     """One batch decoded both ways: outputs, target-only greedy outputs, per-step accept lengths,
@@ -147,11 +132,12 @@ def build_worker(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: lis
                  args: argparse.Namespace, backend: str, page_size: int) -> EagleWorker:
     """The worker for this batch (its config from the flags), with its CUDA graphs under
     --cuda-graph. Raises ValueError naming the setting (ConfigError: the config's and the worker's
-    refusals) or, where the KV caches would not fit, the flags to lower."""
+    refusals, the KV caches' memory among them)."""
     cfg = spec_config(args, backend, page_size, len(prompts), max(map(len, prompts)))
-    refusal = kv_memory_refusal(cfg, target, draft)
-    if refusal:
-        raise ValueError(refusal)
+    param = next(target.parameters())
+    layers = target.num_attention_layers  # the worker's two pools and target-only decoding's
+    check_memory(cfg, (layers, draft.num_attention_layers, layers), cfg.cache_dtype(param.dtype, param.device),
+                 param.device)
     with torch.inference_mode():  # (the worker's tensors, as measure's decoding, are inference tensors)
         worker = EagleWorker(target, draft, cfg)
         if args.cuda_graph:

@@ -82,20 +82,16 @@ class Admission:
 
     def allocate(self, new: NewRequests, first_rid: int) -> list[Request]:
         """A Request per prompt, ids from ``first_rid``, with its rows and admission pages
-        (BatchPages.take); OutOfPagesError (or any failure) gives back what it took."""
+        (BatchPages.take); OutOfPagesError where a pool runs short. What it took stays taken when
+        it raises: the caller frees it (BatchPages.free_rows_since)."""
         prompts, max_new_tokens, eos, sampling = new.prompts, new.max_new_tokens, new.eos_token_id, new.sampling
         made: list[Request] = []
-        held = self.pages.rows_held()
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling)):
-                # Ids are taken once add_requests succeeds: a refused or failed admission uses none.
-                req = Request(first_rid + i, list(prompt), max_new_tokens, eos, -1, -1, params, seq_len=len(prompt),
-                              last_n=last_step_n(len(prompt), max_new_tokens))
-                made.append(req)
-                req.target_row = self.pages.pools[0].alloc_request()
-                req.draft_row = self.pages.pools[1].alloc_request()
-                self.pages.take((req.target_row, req.draft_row), len(prompt), max_new_tokens)
-        except BaseException:
-            self.pages.free_rows_since(held)  # with a row an interrupt kept from reaching its request
-            raise
+        for i, (prompt, params) in enumerate(zip(prompts, sampling)):
+            # Ids are taken once add_requests succeeds: a refused or failed admission uses none.
+            req = Request(first_rid + i, list(prompt), max_new_tokens, eos, -1, -1, params, seq_len=len(prompt),
+                          last_n=last_step_n(len(prompt), max_new_tokens))
+            made.append(req)
+            req.target_row = self.pages.pools[0].alloc_request()
+            req.draft_row = self.pages.pools[1].alloc_request()
+            self.pages.take((req.target_row, req.draft_row), len(prompt), max_new_tokens)
         return made

@@ -112,12 +112,18 @@ class SpecConfig:
         return self.max_batch_size * (self.max_context_len // self.page_size) + 1
 
     @property
+    def draft_offset(self) -> int:
+        """Where the draft's cache runs ahead of the target's: 0 for an EAGLE draft (it processes
+        t_{p+1} at position p), 1 for a standalone one (t_p at p)."""
+        return 0 if self.draft_mode == "eagle" else 1
+
+    @property
     def spec_headroom(self) -> int:
         """Context positions a request needs past its prompt and max_new_tokens. Its last step runs
         at N = prompt + max_new_tokens - 2 (that step emits the last token) and writes the target's
         kv up to N + num_draft_tokens, the draft's up to N + draft offset (standalone: 1) + the
         draft region."""
-        return max(self.num_draft_tokens, self.draft_region_len + (self.draft_mode == "standalone")) - 2
+        return max(self.num_draft_tokens, self.draft_region_len + self.draft_offset) - 2
 
     @property
     def backends(self) -> BackendChoice:

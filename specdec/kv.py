@@ -261,9 +261,10 @@ def available_memory(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_memory(config: SpecConfig, num_layers: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, naming the settings, a target and a draft pool (``num_layers`` each) that the device
-    could not hold: a ConfigError with the bytes asked for and the bytes available."""
+def check_memory(config: SpecConfig, num_layers: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, naming the settings, pools of ``config``'s sizes (one of ``num_layers[i]`` layers
+    each: the worker's target and draft) that the device could not hold: a ConfigError with the
+    bytes asked for and the bytes available."""
     asked = sum(MLAKVPool.bytes_for(layers, config.pool_pages, config.page_size, config.max_batch_size,
                                     config.max_context_len, dtype) for layers in num_layers)
     free = available_memory(device)

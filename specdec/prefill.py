@@ -29,7 +29,7 @@ class Prefill:
         self.target_pool, self.draft_pool = pools
         self.target_backend, self.draft_backend = target_backend, draft_backend
         self.dtype = dtype
-        self.draft_offset = 0 if config.draft_mode == "eagle" else 1
+        self.draft_offset = config.draft_offset
 
     def run(self, new: list[Request]) -> DecodeState:
         """Prefill every prompt of ``new`` (their pages taken): the DecodeState of all of them, in

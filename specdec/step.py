@@ -79,7 +79,7 @@ class SpecStep:
         self.verify_backend, self.draft_backend, self.draft_extend_backend = verify_backend, draft_backend, draft_extend_backend
         self.host_copy = host_copy
         self.device = self.target_pool.device
-        self.draft_offset = 0 if config.draft_mode == "eagle" else 1
+        self.draft_offset = config.draft_offset
 
     @torch.inference_mode()
     def run(self, st: DecodeState, target_rows: torch.Tensor, draft_rows: torch.Tensor,

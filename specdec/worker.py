@@ -53,7 +53,7 @@ class EagleWorker:
         self.device, self.dtype = param.device, param.dtype
         check_draft(draft, target, config)
         self.target, self.draft = target, draft
-        self.draft_offset = 0 if config.draft_mode == "eagle" else 1
+        self.draft_offset = config.draft_offset
         kv_dtype = config.cache_dtype(self.dtype, self.device)
         check_memory(config, (target.num_attention_layers, draft.num_attention_layers), kv_dtype, self.device)
 
@@ -152,6 +152,7 @@ class EagleWorker:
             try:
                 new = self.admission.allocate(checked, self._next_rid)
             except OutOfPagesError:
+                self.pages.free_rows_since(held)  # what it took before a pool ran short
                 new = None
             if new is None:  # (outside the except: trim_for's own error is the one to show)
                 # The running requests' grow-ahead pages come back first, as they do for a growing request.
