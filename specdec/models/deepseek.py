@@ -24,6 +24,8 @@ from attn.base import AttnBatch, LayerSpec
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.models.moe import MoE
+from specdec.models.packing import CheckpointViews, row_views
+from specdec.models import ops
 
 
 def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int, name: str = "token ids") -> None:
@@ -87,10 +89,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)[0]
+
+    def residual(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm (None: x alone)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -138,50 +141,54 @@ def _rope_frequencies(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float]:
     return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention_factor)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """Rotate ``x [T, ..., 64]`` by cos/sin ``[T, 32]``.
+class MLAttention(CheckpointViews, nn.Module):
+    """Multi-head latent attention in absorbed form, laid out for decode.
 
-    Interleaved pairs (x0, x1), (x2, x3), ... come out de-interleaved (rotated evens, then odds),
-    as in transformers; q and k get the same permutation, so their dot products are unchanged.
+    ``qkv_a`` ``[q_lora + 576, D]`` packs q_a_proj (or, without a q LoRA, q_proj) with
+    kv_a_proj_with_mqa: one GEMM, then one kernel (ops.mla_latents) for both latent norms and the
+    rope of the cache row. W_UK / W_UV are views of kv_b_proj's weight ``[H, nope + v, 512]``,
+    multiplied per head as strided batched GEMMs (no per-call copy of the weight).
     """
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-
-class MLAttention(nn.Module):
-    """Multi-head latent attention in absorbed form; weights as in the checkpoint, absorbed per call."""
+    _packed = ("qkv_a",)
 
     def __init__(self, cfg: DeepseekV3Config, kv_layer_id: int, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
         super().__init__()
         self.cfg, self.kv_layer_id = cfg, kv_layer_id
         fk = _factory(dtype, device)
         h, d = cfg.num_attention_heads, cfg.hidden_size
-        if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False, **fk)
-        else:
-            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False, **fk)
+        q_name, self.q_rank = ("q_proj", h * cfg.qk_head_dim) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
+        self._sections = {f"{q_name}.weight": self.q_rank,
+                          "kv_a_proj_with_mqa.weight": cfg.kv_lora_rank + cfg.qk_rope_head_dim}
+        self.qkv_a = nn.Parameter(torch.empty(sum(self._sections.values()), d, **fk))
+        for w in row_views(self.qkv_a.data, self._sections).values():  # as separate nn.Linear would
+            nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+        if cfg.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, **fk)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, **fk)
-        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, **fk)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, **fk)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **fk)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False, **fk)
 
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        return row_views(self.qkv_a, self._sections)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``; the backend writes this layer's latent KV rows ``[T, 576]``."""
         cfg = self.cfg
-        h, nope, rope_dim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(-1, h, cfg.qk_head_dim).split([nope, rope_dim], dim=-1)  # [T, H, nope], [T, H, 64]
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, rope_dim], dim=-1)  # [T, 512], [T, 64]
+        h, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
+        q, kv_new = ops.mla_latents(F.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
+                                    LATENT_NORM_EPS, *rope, cfg.rope_interleave)
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(q)
+        q = q.view(-1, h, cfg.qk_head_dim)  # [T, H, nope + 64]
         w_uk, w_uv = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
-        query = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), apply_rope(q_rope, *rope, cfg.rope_interleave)], dim=-1)
-        kv_new = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, *rope, cfg.rope_interleave)], dim=-1)
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, T, 512]
+        query = ops.mla_query(q_latent, q, nope, *rope, cfg.rope_interleave)  # [T, H, 576]
         out = backend.forward(query, kv_new, self.kv_layer_id, batch)  # [T, H, 512]
-        out = torch.einsum("thc,hvc->thv", out.to(x.dtype), w_uv)  # [T, H, v]
-        return self.o_proj(out.flatten(1))
+        out = torch.bmm(out.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        return self.o_proj(out.transpose(0, 1).flatten(1))
 
 
 class DecoderLayer(nn.Module):
@@ -201,10 +208,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
-        """x ``[T, D]``, rope (cos, sin) ``[T, 32]`` -> ``[T, D]``."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                backend, batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) ``[T, D]`` each -> the same after this layer; the stream's value is
+        x + residual (residual None: x alone), so each residual add fuses into the next norm."""
+        h, residual = self.input_layernorm.residual(x, residual)
+        h, residual = self.post_attention_layernorm.residual(self.self_attn(h, rope, backend, batch), residual)
+        return self.mlp(h), residual
 
 
 # ------------------------------------------------------------------------------------- models
@@ -251,10 +261,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
         check_inputs(input_ids, positions, self.config.vocab_size)
         rope = self.rotary(positions)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, rope, backend, batch)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, backend, batch)
+        return self.model.norm.residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""

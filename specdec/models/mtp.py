@@ -86,7 +86,8 @@ class DeepseekMTP(nn.Module):
         if hidden_in.shape != (input_ids.shape[0], self.config.hidden_size):
             raise ValueError(f"hidden_in must be [T={input_ids.shape[0]}, {self.config.hidden_size}]; got {tuple(hidden_in.shape)}")
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden_in)], dim=-1))
-        return self.shared_head.norm(self.layer(x, self.rotary(positions), backend, batch))
+        x, residual = self.layer(x, None, self.rotary(positions), backend, batch)
+        return self.shared_head.norm.residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""

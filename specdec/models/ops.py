@@ -1,16 +1,241 @@
-"""The decode forward's fused elementwise steps: one kernel each on a GPU, plain torch elsewhere.
+"""The decode forward's fused elementwise steps: one Triton kernel each on a GPU, plain torch elsewhere.
 
-Triton kernels where they run (CUDA tensors, no autograd: training takes the torch path, which has
-a backward); the torch path is the same arithmetic and is what CPU runs and tests compare against.
+Why our own kernels: at decode sizes each torch op is its own launch (a layer was ~60 small ones);
+each of these is one launch reading its inputs once. FlashInfer is not in every install.
+The Triton path runs for CUDA tensors outside autograd (training takes the torch path, which has a
+backward); the torch path is the same arithmetic, and what CPU runs and the GPU tests compare to.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch path serves
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
 
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _on_triton(*tensors: torch.Tensor) -> bool:
+    """The Triton path: CUDA tensors, Triton present, no gradient to track."""
+    return (triton is not None and tensors[0].is_cuda
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# ------------------------------------------------------------------------------ rms norm
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[T, D]`` (plus ``residual`` ``[T, D]``) -> (norm(h) ``[T, D]``, h), h = residual + x.
+
+    As transformers computes it: h rounded to x's dtype, its norm in fp32, then times the weight in
+    x's dtype. Without a residual h is x itself.
+    """
+    if _on_triton(x, weight) and x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1):
+        return triton_rms_norm(x, weight, eps, residual)
+    h = x if residual is None else residual + x
+    return _torch_rms_norm(h, weight, eps), h
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm's kernel (any device Triton runs on, its interpreter included): rows of unit stride."""
+    out = torch.empty_like(x)
+    h = out if residual is None else torch.empty_like(x)
+    rows, d = x.shape
+    if rows:
+        _rms_norm_kernel[(rows,)](x, x if residual is None else residual, h, weight, out, eps, d,
+                                  x.stride(0), 0 if residual is None else residual.stride(0),
+                                  HAS_RESIDUAL=residual is not None, BLOCK=_pow2(d), num_warps=8 if d >= 4096 else 4)
+    return out, (x if residual is None else h)
+
+
+def _torch_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    f = h.float()
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+@_jit
+def _scaled(w_ptrs, normed, mask, DTYPE: tl.constexpr):
+    """weight * normed.to(DTYPE), as torch rounds it: the fp32 product of the two DTYPE values."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return (w * normed.to(DTYPE).to(tl.float32)).to(DTYPE)
+
+
+@_jit
+def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, stride_res,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * D + cols, x, mask=mask)
+    f = x.to(tl.float32)
+    normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / D + eps)
+    tl.store(out_ptr + row * D + cols, _scaled(w_ptr + cols, normed, mask, out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- silu * up
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` (gate ++ up) -> silu(gate) * up ``[T, I]`` in the input dtype."""
+    if _on_triton(gate_up) and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        return triton_silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def triton_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul's kernel: rows of unit stride, computed in fp32, rounded once."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = gate_up.new_empty(rows, inter)
+    block = min(_pow2(inter), 1024)
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
+    return out
+
+
+@_jit
+def _silu_mul_kernel(gu_ptr, out_ptr, INTER, stride_gu, BLOCK: tl.constexpr):
+    row, blk = tl.program_id(0), tl.program_id(1)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * INTER + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------- rope
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate ``x [T, ..., 64]`` by cos/sin ``[T, 32]``.
+
+    Interleaved pairs (x0, x1), (x2, x3), ... come out de-interleaved (rotated evens, then odds),
+    as in transformers; q and k get the same permutation, so their dot products are unchanged.
+    """
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@_jit
+def _rope_pairs(ptr, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """(rotated first half, rotated second half) of the 2*HALF values at ptr, in fp32."""
+    idx = tl.arange(0, HALF)
+    if INTERLEAVE:
+        x1 = tl.load(ptr + 2 * idx).to(tl.float32)
+        x2 = tl.load(ptr + 2 * idx + 1).to(tl.float32)
+    else:
+        x1 = tl.load(ptr + idx).to(tl.float32)
+        x2 = tl.load(ptr + HALF + idx).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+# --------------------------------------------------------------------- MLA prologue
+def mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], kv_norm: torch.Tensor, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused q_a / kv_a projection's output ``[T, q_rank + 576]`` -> (q side ``[T, q_rank]``,
+    kv row ``[T, 576]``): q_a_layernorm on the q side (as is, without ``q_norm``: a plain q_proj's
+    output), kv_a_layernorm on the 512 latent dims, RoPE on the 64 rope dims (the row the cache holds).
+    """
+    latent = qkv.shape[1] - q_rank - 64
+    if _on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512:
+        return triton_mla_latents(qkv, q_rank, q_norm, kv_norm, eps, cos, sin, interleave)
+    q, latent_part, rope = qkv.split([q_rank, latent, 64], dim=-1)
+    if q_norm is not None:
+        q = _torch_rms_norm(q, q_norm, eps)
+    return q, torch.cat([_torch_rms_norm(latent_part, kv_norm, eps), apply_rope(rope, cos, sin, interleave)], dim=-1)
+
+
+def triton_mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], kv_norm: torch.Tensor,
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_latents' kernel: a latent of 512, rows of unit stride, cos/sin ``[T, 32]`` fp32 contiguous."""
+    t = qkv.shape[0]
+    kv = qkv.new_empty(t, 576)
+    q = qkv.new_empty(t, q_rank) if q_norm is not None else qkv[:, :q_rank]
+    if t:
+        _mla_latents_kernel[(t,)](
+            qkv, q, q_norm if q_norm is not None else kv_norm, kv_norm, kv, cos, sin, eps, q_rank, qkv.stride(0),
+            HAS_Q_NORM=q_norm is not None, Q_BLOCK=_pow2(q_rank) if q_norm is not None else 1,
+            LATENT=512, HALF=32, INTERLEAVE=interleave, num_warps=4)
+    return q, kv
+
+
+@_jit
+def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, cos_ptr, sin_ptr, eps, Q_RANK, stride_qkv,
+                        HAS_Q_NORM: tl.constexpr, Q_BLOCK: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr,
+                        INTERLEAVE: tl.constexpr):
+    t = tl.program_id(0)
+    row = qkv_ptr + t * stride_qkv
+    if HAS_Q_NORM:
+        cols = tl.arange(0, Q_BLOCK)
+        mask = cols < Q_RANK
+        f = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / Q_RANK + eps)
+        tl.store(q_ptr + t * Q_RANK + cols, _scaled(qw_ptr + cols, normed, mask, q_ptr.dtype.element_ty), mask=mask)
+    lat = tl.arange(0, LATENT)
+    f = tl.load(row + Q_RANK + lat).to(tl.float32)
+    normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / LATENT + eps)
+    out = kv_ptr + t * (LATENT + 2 * HALF)
+    tl.store(out + lat, _scaled(kvw_ptr + lat, normed, lat < LATENT, kv_ptr.dtype.element_ty))
+    idx = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + t * HALF + idx)
+    sin = tl.load(sin_ptr + t * HALF + idx)
+    r1, r2 = _rope_pairs(row + Q_RANK + LATENT, cos, sin, HALF, INTERLEAVE)
+    tl.store(out + LATENT + idx, r1.to(kv_ptr.dtype.element_ty))
+    tl.store(out + LATENT + HALF + idx, r2.to(kv_ptr.dtype.element_ty))
+
+
+def mla_query(q_latent: torch.Tensor, q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor,
+              interleave: bool) -> torch.Tensor:
+    """The absorbed query ``[T, H, 576]``: each head's W_UK-absorbed latent ``q_latent [H, T, 512]``
+    and its rotated rope dims, the last 64 of each head's ``nope + 64`` in ``q [T, H, nope + 64]``."""
+    if _on_triton(q_latent, q) and q.stride(2) == 1 and q_latent.stride(2) == 1 and q_latent.shape[2] == 512:
+        return triton_mla_query(q_latent, q, nope, cos, sin, interleave)
+    rope = apply_rope(q[..., nope:], cos, sin, interleave)
+    return torch.cat([q_latent.transpose(0, 1).to(q.dtype), rope], dim=-1)
+
+
+def triton_mla_query(q_latent: torch.Tensor, q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor,
+                     interleave: bool) -> torch.Tensor:
+    """mla_query's kernel: last dims of unit stride, cos/sin ``[T, 32]`` fp32 contiguous."""
+    heads, t, _ = q_latent.shape
+    query = q.new_empty(t, heads, 576)
+    if t:
+        _mla_query_kernel[(t, heads)](q_latent, q, query, cos, sin, q_latent.stride(0), q_latent.stride(1),
+                                      q.stride(0), q.stride(1), nope, LATENT=512, HALF=32, INTERLEAVE=interleave,
+                                      num_warps=2)
+    return query
+
+
+@_jit
+def _mla_query_kernel(lat_ptr, q_ptr, out_ptr, cos_ptr, sin_ptr, stride_lh, stride_lt, stride_qt, stride_qh, NOPE,
+                      LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)
+    heads = tl.num_programs(1)
+    out = out_ptr + (t * heads + h) * (LATENT + 2 * HALF)
+    lat = tl.arange(0, LATENT)
+    tl.store(out + lat, tl.load(lat_ptr + h * stride_lh + t * stride_lt + lat).to(out_ptr.dtype.element_ty))
+    idx = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + t * HALF + idx)
+    sin = tl.load(sin_ptr + t * HALF + idx)
+    r1, r2 = _rope_pairs(q_ptr + t * stride_qt + h * stride_qh + NOPE, cos, sin, HALF, INTERLEAVE)
+    tl.store(out + LATENT + idx, r1.to(out_ptr.dtype.element_ty))
+    tl.store(out + LATENT + HALF + idx, r2.to(out_ptr.dtype.element_ty))

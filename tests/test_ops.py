@@ -1,0 +1,90 @@
+"""specdec.models.ops: each Triton kernel against the torch path it replaces (the arithmetic
+transformers' DeepSeek-V3 does), under Triton's interpreter on the CPU and on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interpreted import run_interpreted
+from specdec.models import ops
+
+_CHECKS = """
+import torch
+from specdec.models import ops
+
+
+def tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True):
+    """exact: the residual sum equals torch's bit for bit (the interpreter rounds to bf16 its own way)."""
+    gen = torch.Generator(device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=device)
+    for dtype in dtypes:
+        x, res = rand(tokens, d).to(dtype), rand(tokens, d).to(dtype)
+        w = (1 + 0.2 * rand(d)).to(dtype)
+        for residual in (None, res):
+            out, h = ops.triton_rms_norm(x, w, 1e-6, residual)
+            ref_h = x if residual is None else residual + x
+            torch.testing.assert_close(h, ref_h, **(dict(atol=0, rtol=0) if exact else tol(dtype)))
+            torch.testing.assert_close(out, ops._torch_rms_norm(ref_h, w, 1e-6), **tol(dtype))
+        strided = rand(tokens, 2 * d).to(dtype)[:, ::2]  # not unit stride along rows' elements: the torch path
+        torch.testing.assert_close(ops.rms_norm(strided, w, 1e-6)[0], ops._torch_rms_norm(strided, w, 1e-6))
+
+        gu = rand(tokens, 2 * 300).to(dtype)  # an intermediate that is no power of two
+        gate, up = gu.float().chunk(2, dim=-1)
+        torch.testing.assert_close(ops.triton_silu_mul(gu), (torch.nn.functional.silu(gate) * up).to(dtype), **tol(dtype))
+
+        pos = torch.tensor([0, 1, 7, 300, 4095][:tokens], device=device)[:, None]
+        freqs = pos.float() * (1.0 / 10000 ** (torch.arange(0, 64, 2, device=device).float() / 64))[None]
+        cos, sin = freqs.cos(), freqs.sin()
+        for interleave in (True, False):
+            for rank in (q_rank, 0):
+                qkv = rand(tokens, (rank or heads * 192) + 576).to(dtype)
+                width = rank or heads * 192
+                q_norm = (1 + 0.2 * rand(rank)).to(dtype) if rank else None
+                kv_norm = (1 + 0.2 * rand(512)).to(dtype)
+                got_q, got_kv = ops.triton_mla_latents(qkv, width, q_norm, kv_norm, 1e-6, cos, sin, interleave)
+                ref_q = qkv[:, :width] if q_norm is None else ops._torch_rms_norm(qkv[:, :width], q_norm, 1e-6)
+                ref_kv = torch.cat([ops._torch_rms_norm(qkv[:, width:width + 512], kv_norm, 1e-6),
+                                    ops.apply_rope(qkv[:, -64:].float(), cos, sin, interleave).to(dtype)], dim=-1)
+                torch.testing.assert_close(got_q, ref_q, **tol(dtype))
+                torch.testing.assert_close(got_kv, ref_kv, **tol(dtype))
+            q = rand(tokens, heads, 192).to(dtype)
+            q_latent = rand(heads, tokens, 512).to(dtype)
+            got = ops.triton_mla_query(q_latent, q, 128, cos, sin, interleave)
+            ref = torch.cat([q_latent.transpose(0, 1), ops.apply_rope(q[..., 128:].float(), cos, sin, interleave).to(dtype)], -1)
+            torch.testing.assert_close(got, ref, **tol(dtype))
+"""
+
+
+def test_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(_CHECKS + "\ncheck_all('cpu', (torch.float32, torch.bfloat16), d=1000, q_rank=96, tokens=4, exact=False)\nprint('ok')\n")
+
+
+@pytest.mark.gpu
+def test_kernels_on_gpu():
+    pytest.importorskip("triton")
+    scope: dict = {}
+    exec(_CHECKS, scope)
+    scope["check_all"]("cuda", (torch.float32, torch.bfloat16, torch.float16))
+
+
+def test_rope_interleaved_pairs_rotate_as_complex_numbers():
+    """x0 + i x1 times e^{i theta} is (x0 cos - x1 sin) + i (x1 cos + x0 sin): the evens, then the odds."""
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    theta = torch.tensor([[0.5, -1.25]])
+    z = torch.complex(x[:, 0::2], x[:, 1::2]) * torch.polar(torch.ones_like(theta), theta)
+    got = ops.apply_rope(x, theta.cos(), theta.sin(), interleave=True)
+    torch.testing.assert_close(got, torch.cat([z.real, z.imag], dim=-1))
+
+
+def test_training_takes_the_torch_path_with_gradients():
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    out, _ = ops.rms_norm(x, w, 1e-6)
+    out.sum().backward()
+    assert x.grad is not None and w.grad is not None
