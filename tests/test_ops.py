@@ -19,7 +19,7 @@ def tol(dtype):
 
 
 def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True):
-    """exact: the residual sum equals torch's bit for bit (the interpreter rounds to bf16 its own way)."""
+    # exact: the residual sum equals torch's bit for bit (the interpreter rounds to bf16 its own way)
     gen = torch.Generator(device).manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device=device)
     for dtype in dtypes:
@@ -57,6 +57,13 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
             got = ops.triton_mla_query(q_latent, q, 128, cos, sin, interleave)
             ref = torch.cat([q_latent.transpose(0, 1), ops.apply_rope(q[..., 128:].float(), cos, sin, interleave).to(dtype)], -1)
             torch.testing.assert_close(got, ref, **tol(dtype))
+
+        if dtype != torch.float32:  # the GEMV takes 16-bit operands (fp32 stays with cuBLAS)
+            for m, n, k in ((1, 40, 300), (4, 33, 512), (16, 64, 96), (19, 17, 200)):  # ragged N, K; M past a block
+                w = (rand(n, k) / k ** 0.5).to(dtype)
+                xm = rand(m, k).to(dtype)
+                ref = (xm.float() @ w.float().T).to(dtype)
+                torch.testing.assert_close(ops.triton_linear(xm, w), ref, **tol(dtype))
 """
 
 

@@ -178,17 +178,17 @@ class MLAttention(CheckpointViews, nn.Module):
         cfg = self.cfg
         h, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
-        q, kv_new = ops.mla_latents(F.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
+        q, kv_new = ops.mla_latents(ops.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
                                     LATENT_NORM_EPS, *rope, cfg.rope_interleave)
         if cfg.q_lora_rank is not None:
-            q = self.q_b_proj(q)
+            q = ops.linear(q, self.q_b_proj.weight)
         q = q.view(-1, h, cfg.qk_head_dim)  # [T, H, nope + 64]
         w_uk, w_uv = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, T, 512]
         query = ops.mla_query(q_latent, q, nope, *rope, cfg.rope_interleave)  # [T, H, 576]
         out = backend.forward(query, kv_new, self.kv_layer_id, batch)  # [T, H, 512]
         out = torch.bmm(out.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(out.transpose(0, 1).flatten(1))
+        return ops.linear(out.transpose(0, 1).flatten(1), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -268,4 +268,4 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""
-        return self.lm_head(hidden).float()
+        return ops.linear(hidden, self.lm_head.weight).float()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import ops
@@ -14,7 +13,7 @@ from specdec.models.packing import CheckpointViews, row_views
 
 class MLP(CheckpointViews, nn.Module):
     """down(silu(gate(x)) * up(x)); ``gate_up`` ``[2I, D]`` stacks the checkpoint's gate_proj and
-    up_proj weights (one GEMM a layer, then one fused silu-and-multiply)."""
+    up_proj weights: one GEMM, then one silu-and-multiply kernel."""
 
     _packed = ("gate_up",)
 
@@ -31,4 +30,4 @@ class MLP(CheckpointViews, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
-        return self.down_proj(ops.silu_mul(F.linear(x, self.gate_up)))
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down_proj.weight)

@@ -1,4 +1,9 @@
-"""DeepSeek-V3's routed mixture of experts: the noaux_tc router, the routed experts, the shared expert."""
+"""DeepSeek-V3's routed mixture of experts: the noaux_tc router, the routed experts, the shared expert.
+
+A routed expert runs only on the tokens that chose it: the (token, expert) pairs are sorted into
+per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts run as one grouped
+GEMM over those blocks.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
+from specdec.models.moe_kernels import ExpertBlocks, sort_into_blocks, tiles_for
+from specdec.models.packing import CheckpointViews, row_views
 
 
 def _factory(dtype: Optional[torch.dtype], device: Any) -> dict[str, Any]:
@@ -57,21 +65,71 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
 
-class MoE(nn.Module):
-    """Routed experts (one MLP each, as in the checkpoint) plus the shared experts."""
+class MoE(CheckpointViews, nn.Module):
+    """Routed experts plus the shared experts; a routed expert runs only on the tokens that chose it.
+
+    ``experts_gate_up`` ``[E, 2I, D]`` stacks each expert's gate_proj rows, then its up_proj rows;
+    ``experts_down`` ``[E, D, I]`` its down_proj. The checkpoint's ``experts.{e}.gate_proj.weight``,
+    ``up_proj.weight`` and ``down_proj.weight`` are views of them (specdec/models/packing.py).
+
+    Forward: route; sort the T * k pairs into per-expert blocks; the grouped GEMM over the blocks
+    (the Triton kernels for CUDA tensors outside autograd, else the same blocks through torch.bmm,
+    which has a backward); each token's k weighted outputs summed in fp32 in a fixed order (no
+    atomics: the same inputs give the same bits); plus the shared expert.
+    """
+
+    _packed = ("experts_gate_up", "experts_down")
 
     def __init__(self, cfg: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
         super().__init__()
         fk = _factory(dtype, device)
+        experts, hidden, self.inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Router(cfg, **fk)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, **fk) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, **fk)
+        self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * self.inter, hidden, **fk))
+        self.experts_down = nn.Parameter(torch.empty(experts, hidden, self.inter, **fk))
+        for e in range(experts):  # each matrix as its own nn.Linear would be
+            for w in (*self.experts_gate_up.data[e].split(self.inter), self.experts_down.data[e]):
+                nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+        self.shared_experts = MLP(hidden, cfg.moe_intermediate_size * cfg.n_shared_experts, **fk)
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        views = {}
+        for e in range(self.experts_gate_up.shape[0]):
+            rows = row_views(self.experts_gate_up[e], {"gate_proj.weight": self.inter, "up_proj.weight": self.inter})
+            views |= {f"experts.{e}.{name}": view for name, view in rows.items()}
+            views[f"experts.{e}.down_proj.weight"] = self.experts_down[e]
+        return views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
-        weights, ids = self.gate(x)
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=torch.float32, device=x.device).scatter_(1, ids, weights)
-        # Every expert runs on every token, weighted 0 where not chosen: no data-dependent shapes or
-        # host syncs, so it captures in CUDA graphs. Clarity over speed: meant for small models.
-        routed = sum(expert(x).float() * dense[:, e, None] for e, expert in enumerate(self.experts))
+        weights, ids = self.gate(x)  # [T, k] each
+        num_experts, _, hidden = self.experts_gate_up.shape
+        tiles = tiles_for(ids.numel(), num_experts, hidden, self.inter, x.dtype)
+        blocks = sort_into_blocks(ids, num_experts, tiles.block_m)
+        if ops._on_triton(x, weights, self.experts_gate_up, self.experts_down):
+            per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
+                                                   blocks, tiles)
+        else:
+            per_pair = grouped_experts_torch(x, self.experts_gate_up, self.experts_down, weights, blocks)
+        routed = per_pair.view(*ids.shape, hidden).sum(1)  # [T, k, D] -> [T, D], fp32
         return routed.to(x.dtype) + self.shared_experts(x)
+
+
+def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                          blocks: ExpertBlocks) -> torch.Tensor:
+    """moe_kernels.grouped_experts in torch, with autograd: each pair's weighted expert output
+    ``[P, D]`` fp32 (row p: pair p), from x ``[T, D]``, gate_up ``[E, 2I, D]``, down ``[E, D, I]``
+    (x's dtype) and weights ``[T, k]`` fp32.
+
+    Every block, in use or not, gathers its expert's weights (``[blocks, 2I, D]``: sized for small
+    models) and its token rows, then two torch.bmm; padding rows and unused blocks compute on some
+    token and expert and are never read back.
+    """
+    (num_blocks, block_m), (hidden, inter) = (blocks.num_blocks, blocks.block_m), down.shape[1:]
+    token = blocks.row_pair.clamp(max=max(blocks.num_pairs - 1, 0)) // blocks.top_k  # [blocks * block_m]
+    expert = blocks.block_expert.clamp(max=blocks.num_experts - 1)  # [blocks]
+    rows = x.index_select(0, token).view(num_blocks, block_m, hidden)
+    gate_up_out = torch.bmm(rows, gate_up.index_select(0, expert).transpose(1, 2))
+    h = ops.silu_mul(gate_up_out.view(num_blocks * block_m, 2 * inter)).view(num_blocks, block_m, inter)
+    out = torch.bmm(h, down.index_select(0, expert).transpose(1, 2)).view(num_blocks * block_m, hidden)
+    return out.index_select(0, blocks.pair_row).float() * weights.reshape(-1, 1)

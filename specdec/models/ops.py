@@ -101,7 +101,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def triton_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu_mul's kernel: rows of unit stride, computed in fp32, rounded once."""
+    """silu_mul's kernel: rows of unit stride; silu rounded to the dtype, then the product, as torch."""
     rows, width = gate_up.shape
     inter = width // 2
     out = gate_up.new_empty(rows, inter)
@@ -118,7 +118,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, INTER, stride_gu, BLOCK: tl.constexpr):
     mask = cols < INTER
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * INTER + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as torch's F.silu
+    tl.store(out_ptr + row * INTER + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------- rope
@@ -239,3 +240,58 @@ def _mla_query_kernel(lat_ptr, q_ptr, out_ptr, cos_ptr, sin_ptr, stride_lh, stri
     r1, r2 = _rope_pairs(q_ptr + t * stride_qt + h * stride_qh + NOPE, cos, sin, HALF, INTERLEAVE)
     tl.store(out + LATENT + idx, r1.to(out_ptr.dtype.element_ty))
     tl.store(out + LATENT + HALF + idx, r2.to(out_ptr.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------ GEMV
+GEMV_MAX_ROWS = 16  # decode GEMMs of at most this many rows stream the weight once in a Triton GEMV
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x ``[M, K]`` @ weight ``[N, K]``^T -> ``[M, N]``.
+
+    A decode GEMM of a few rows is a weight read: 16-bit GEMMs of up to GEMV_MAX_ROWS rows run our
+    GEMV (one launch, no split-K reduce; at or above cuBLAS's bandwidth there); others, and fp32,
+    which tensor cores would round to tf32, go to cuBLAS.
+    """
+    if (_on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
+        return triton_linear(x, weight)
+    return F.linear(x, weight)
+
+
+def gemv_config(k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight of K columns."""
+    return 64, (256 if k >= 4096 else 128), 4, 5
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor,
+                  config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """linear's GEMV: rows of unit stride, a contiguous weight; ``config`` as gemv_config gives it."""
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"linear: x is {tuple(x.shape)}, the weight {tuple(weight.shape)}")
+    out = x.new_empty(m, n)
+    if m:
+        block_n, block_k, warps, stages = config or gemv_config(k)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
+        _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                           num_warps=warps, num_stages=stages)
+    return out
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One program: BLOCK_N output columns of BLOCK_M rows, over all of K (no split: no second
+    pass); the weight tile streams through once, the few x rows come from L2."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])

@@ -1,0 +1,241 @@
+"""The routed experts as a grouped GEMM over (token, expert) pairs sorted into per-expert blocks.
+
+A token's k routing choices are k pairs; pair ``p = t * k + j`` is token t's j-th choice. The pairs
+are sorted by expert (stable) and laid out in blocks of ``block_m`` rows, each block one expert's,
+the last block of an expert padded (:func:`sort_into_blocks`). Both paths of ``MoE`` compute over
+this layout: the Triton kernels here on a GPU, ``torch.bmm`` in specdec/models/moe.py elsewhere.
+
+Kernel 1 gathers a block's token rows of x and multiplies them by its expert's gate and up rows,
+silu(gate) * up in the epilogue, into ``h`` (a row per block row); kernel 2 multiplies h by the
+expert's down projection, scales by the routing weight and writes each pair's output at row p of
+``[P, D]`` fp32, so the sum over a token's k pairs (in moe.py) has a fixed order. The launch grid
+is ``(max_blocks, N tiles)``, a function of host-side sizes only; a program whose block is past
+those in use returns before reading any weight, so a decode step reads only the chosen experts'
+weights. Nothing reads a device value on the host: the layout and the launches capture in a CUDA
+graph. Temporaries are O(E) (counts), ``[rows, I]`` (h) and ``[P, D]``; none is ``[E, T, ...]``.
+
+The module imports without Triton (CPU-only installs): the layout and the tile choice still work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch path in moe.py serves
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# ------------------------------------------------------------------------------ tiles
+@dataclass(frozen=True)
+class Tiles:
+    """Block sizes of the two kernels (powers of two, at least 16: tl.dot's minimum).
+
+    ``block_m`` rows of pairs per block (the layout's too); kernel 1 tiles I by ``n1`` (a gate and
+    an up accumulator each) and D by ``k1``; kernel 2 tiles D by ``n2`` and I by ``k2``.
+    """
+
+    block_m: int
+    n1: int
+    k1: int
+    n2: int
+    k2: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles_for(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> Tiles:
+    """The tiles for P pairs over E experts in ``dtype``, for SM90 (H200) at D = 7168, I = 256..2048.
+
+    ``block_m`` follows the mean rows of a chosen expert, P / min(E, P): 16 at decode (a block per
+    chosen expert, mostly padding: the weights dominate the bytes), up to 64 for prefill. At 16 rows
+    both kernels are weight-bandwidth bound: narrow N tiles in kernel 1 (whose programs read gate
+    and up rows) give enough programs to pull HBM bandwidth at batch 1 (8 blocks x I / 16 = 128 at
+    I = 256), and K steps of 256 bytes a row with 4 stages keep loads in flight. Every choice stays
+    under ~120 KB of shared memory (H200: 227 KB a block). Clamped to the shape, so any D and I
+    work (masks cover the rest).
+    """
+    rows = -(-num_pairs // max(1, min(num_experts, num_pairs)))
+    block_m = min(64, max(16, _pow2(rows)))
+    k_step = (256 if block_m < 64 else 128) // dtype.itemsize  # elements of a K step
+    n1 = 64 if block_m > 16 else (16 if inter < 1024 else 32)
+
+    def fit(tile: int, size: int) -> int:
+        return max(16, min(tile, _pow2(size)))
+
+    return Tiles(block_m=block_m, n1=fit(n1, inter), k1=fit(k_step, hidden), n2=fit(128, hidden), k2=fit(k_step, inter),
+                 num_warps=4 if block_m < 64 else 8, num_stages=4 if block_m == 16 else 3)
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """P = T * k pairs sorted by expert into ``num_blocks`` blocks of ``block_m`` rows.
+
+    ``row_pair`` ``[num_blocks * block_m]`` int64: the pair in each row, in expert order (stable:
+    by pair within an expert); P in padding rows. ``block_expert`` ``[num_blocks]`` int64: each
+    block's expert; ``num_experts`` for the blocks past those in use (always the trailing ones).
+    ``pair_row`` ``[P]`` int64: the row of each pair (row_pair's inverse on real rows).
+    """
+
+    row_pair: torch.Tensor
+    block_expert: torch.Tensor
+    pair_row: torch.Tensor
+    block_m: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pair_row.numel()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.numel()
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """A static bound on the blocks in use: an expert with c > 0 pairs takes ceil(c / block_m) <=
+    c // block_m + 1 blocks, at most min(E, P) experts have pairs, and every block holds a pair."""
+    return min(num_pairs, min(num_experts, num_pairs) + num_pairs // block_m)
+
+
+def sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Expert ids ``[T, k]`` (int64, in [0, E)) -> their pairs' block layout, on ids' device.
+
+    Fixed-size tensors throughout (``max_blocks`` blocks, O(E) counts), no host read of a value.
+    E.g. E = 3, block_m = 2, ids.flatten() = [2, 0, 2, 2]: sorted experts [0, 2, 2, 2], pairs
+    [1, 0, 2, 3]; each expert's first sorted position [0, 1, 1, 4] -> blocks [1, 0, 2], first rows
+    [0, 2, 2], rows of the sorted pairs [0, 2, 3, 4]; row_pair [1, 4 | 0, 2 | 3, 4 | 4, 4],
+    block_expert [0, 2, 2, 3] (block 3 unused), pair_row [2, 0, 3, 4].
+    """
+    top_k = ids.shape[-1]
+    flat = ids.reshape(-1)
+    pairs, device = flat.numel(), flat.device
+    expert_of, pair_of = torch.sort(flat, stable=True)  # [P] each
+    starts = torch.searchsorted(expert_of, torch.arange(num_experts + 1, device=device))  # [E + 1]
+    blocks = (starts.diff() + block_m - 1) // block_m  # [E]
+    block_end = blocks.cumsum(0)  # [E]
+    shift = (block_end - blocks) * block_m - starts[:-1]  # [E]: an expert's first row less its first position
+    row_of = shift[expert_of] + torch.arange(pairs, device=device)  # [P]: the row of each sorted pair
+    num_blocks = max_blocks(pairs, num_experts, block_m)
+    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=device), right=True)
+    row_pair = torch.full((num_blocks * block_m,), pairs, dtype=torch.int64, device=device).scatter_(0, row_of, pair_of)
+    pair_row = torch.empty_like(pair_of).scatter_(0, pair_of, row_of)
+    return ExpertBlocks(row_pair, block_expert, pair_row, block_m, num_experts, top_k)
+
+
+# ---------------------------------------------------------------------------- kernels
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    blocks: ExpertBlocks, tiles: Tiles) -> torch.Tensor:
+    """Each pair's weighted expert output, ``[P, D]`` fp32 (row p: pair p), by the two kernels.
+
+    x ``[T, D]``; gate_up ``[E, 2I, D]`` (each expert's gate rows, then its up rows) and down
+    ``[E, D, I]`` in x's dtype (bf16, fp16 or fp32), unit stride in their last dim; weights
+    ``[T, k]`` fp32; blocks laid out with ``tiles.block_m``. Runs on any device Triton runs on
+    (its interpreter included). fp32 products are IEEE (no TF32), as torch's default matmul.
+    """
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise TypeError(f"expert weights must be in x's dtype {x.dtype}: gate_up {gate_up.dtype}, down {down.dtype}")
+    tokens = x.shape[0]
+    if (x.dim() != 2 or x.shape[1] != hidden or tuple(down.shape) != (num_experts, hidden, inter)
+            or tuple(weights.shape) != (tokens, blocks.top_k) or blocks.num_pairs != weights.numel()):
+        raise ValueError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, weights "
+                         f"{tuple(weights.shape)}, {blocks.num_pairs} pairs of {blocks.top_k}: expected x [T, D], "
+                         "gate_up [E, 2I, D], down [E, D, I], weights [T, k] and T * k pairs")
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("x, gate_up and down must have unit stride in their last dim")
+    if blocks.block_m != tiles.block_m:
+        raise ValueError(f"blocks of {blocks.block_m} rows for tiles of {tiles.block_m}")
+    pairs, rows = blocks.num_pairs, blocks.row_pair.numel()
+    h = x.new_empty(rows, inter)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    if pairs == 0:
+        return out
+    flat_weights = weights.reshape(-1).float()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    _gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, tiles.n1))](
+        x, gate_up, h, blocks.row_pair, blocks.block_expert, pairs, num_experts, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        TOP_K=blocks.top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.n1, BLOCK_K=tiles.k1, PRECISION=precision, **launch)
+    _down_kernel[(blocks.num_blocks, triton.cdiv(hidden, tiles.n2))](
+        h, down, out, flat_weights, blocks.row_pair, blocks.block_expert, pairs, num_experts, hidden, inter,
+        h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.n2, BLOCK_K=tiles.k2, PRECISION=precision, **launch)
+    return out
+
+
+@_jit
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, E, D, I,
+                    stride_x, stride_we, stride_wn, stride_h,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """h[rows of block b, n tile] = silu(x_tok @ gate_e^T) * (x_tok @ up_e^T), fp32 accumulators."""
+    b, n_tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + b)
+    if expert >= E:  # a block past those in use: no pairs, and no expert's weights to read
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair_ptr + rows)
+    real = pair < P
+    token = tl.where(real, pair // TOP_K, 0)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_in = offs_n < I
+    x_rows = x_ptr + token[:, None] * stride_x + offs_k[None, :]  # [M, K]
+    gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+    up = gate + I * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_in = offs_k < D - k0
+        a = tl.load(x_rows + k0, mask=real[:, None] & k_in[None, :], other=0.0)
+        w_mask = k_in[:, None] & n_in[None, :]
+        acc_gate = tl.dot(a, tl.load(gate + k0, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(up + k0, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+    out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    tl.store(h_ptr + rows[:, None] * stride_h + offs_n[None, :], out.to(h_ptr.dtype.element_ty),
+             mask=real[:, None] & n_in[None, :])
+
+
+@_jit
+def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, row_pair_ptr, block_expert_ptr, P, E, D, I,
+                 stride_h, stride_we, stride_wn, stride_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair of each row of block b, n tile] = weight_pair * (h_row @ down_e^T), in fp32."""
+    b, n_tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + b)
+    if expert >= E:
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair_ptr + rows)
+    real = pair < P
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_in = offs_n < D
+    h_rows = h_ptr + rows[:, None] * stride_h + offs_k[None, :]  # [M, K]
+    w = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_in = offs_k < I - k0
+        a = tl.load(h_rows + k0, mask=real[:, None] & k_in[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w + k0, mask=k_in[:, None] & n_in[None, :], other=0.0), acc, input_precision=PRECISION)
+    acc = acc * tl.load(weight_ptr + pair, mask=real, other=0.0)[:, None]
+    tl.store(out_ptr + pair[:, None] * stride_out + offs_n[None, :], acc, mask=real[:, None] & n_in[None, :])
