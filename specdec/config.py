@@ -55,6 +55,8 @@ class SpecConfig:
         max_prefill_tokens: flashinfer_mla, about 16k at 128 heads) gets passes of its size.
     enable_sampling: verify by tree rejection sampling so requests may use temperature > 0
         (greedy requests still get exactly the greedy output); off: argmax verification only.
+    check_ranks: under tensor parallelism, compare a hash of every step's accepted tokens across
+        the ranks and raise if they differ (a debug check: one small collective a step).
     """
 
     num_steps: int = 3
@@ -72,6 +74,7 @@ class SpecConfig:
     num_pages: Optional[int] = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
     enable_sampling: bool = False
+    check_ranks: bool = False
     max_prefill_tokens: int = MAX_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
@@ -198,6 +201,9 @@ class SpecConfig:
         if not isinstance(self.enable_sampling, (bool, np.bool_)):
             raise ConfigError(f"enable_sampling must be a bool, got {self.enable_sampling!r}")
         self.enable_sampling = bool(self.enable_sampling)
+        if not isinstance(self.check_ranks, (bool, np.bool_)):
+            raise ConfigError(f"check_ranks must be a bool, got {self.check_ranks!r}")
+        self.check_ranks = bool(self.check_ranks)
         given_page_size = self.page_size
         try:
             choice = self.backends

@@ -27,6 +27,7 @@ from specdec.draft import DraftModel, TargetModel, check_draft, check_target
 from specdec.guard import CallGuard, exclusive
 from specdec.kv import MLAKVPool, OutOfPagesError, check_memory
 from specdec.pages import BatchPages
+from specdec.parallel import SINGLE
 from specdec.prefill import Prefill
 from specdec.sampling import SamplingParams
 from specdec.state import BatchHost, DecodeState, HostCopy, Request, StepStats
@@ -53,6 +54,9 @@ class EagleWorker:
         self.device, self.dtype = param.device, param.dtype
         check_draft(draft, target, config)
         self.target, self.draft = target, draft
+        self.parallel = getattr(target, "parallel", SINGLE)
+        # NCCL gathers device tensors; gloo host ones
+        self._parallel_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         self.draft_offset = config.draft_offset
         kv_dtype = config.cache_dtype(self.dtype, self.device)
         check_memory(config, (target.num_attention_layers, draft.num_attention_layers), kv_dtype, self.device)
@@ -247,6 +251,8 @@ class EagleWorker:
             raise RuntimeError("finish_step takes the result of the step in flight (what launch_step returned)")
         host_copy = self.spec_step.host_copy
         report = StepReport.unpack(host_copy.wait())
+        if self._config.check_ranks:
+            self._check_ranks(report)
         finished = np.flatnonzero(report.done).tolist()
         # The step's one call that may fail (out of memory) comes before any change: a finish_step
         # that raised there or in the wait (an interrupt) may be called again.
@@ -264,6 +270,18 @@ class EagleWorker:
         self._finish_rows(finished, state)
         self._guard.broken = None
         return StepStats(report.accept_len.tolist(), int(report.take.sum()))
+
+    def _check_ranks(self, report: StepReport) -> None:
+        """RuntimeError, before any bookkeeping, when the tensor-parallel ranks accepted different
+        tokens this step (SpecConfig.check_ranks); every rank raises alike."""
+        emitted = torch.as_tensor(report.emitted.astype(np.int64))
+        take = torch.as_tensor(report.take.astype(np.int64))
+        kept = torch.where(torch.arange(emitted.shape[1])[None] < take[:, None], emitted, -1)
+        digest = torch.tensor([hash(tuple(kept.flatten().tolist()))], dtype=torch.int64, device=self._parallel_device)
+        if not self.parallel.same_on_all_ranks(digest):
+            raise RuntimeError(f"tensor-parallel rank {self.parallel.rank} of {self.parallel.size}: the ranks accepted "
+                               "different tokens this step (a rank-dependent result: a bug or a non-deterministic "
+                               "kernel); the step is not committed")
 
     @on_device
     @exclusive

@@ -18,6 +18,7 @@ from attn.backends.torch_ref import TorchRefBackend
 from attn.base import AttnBatch, ForwardMode
 from specdec.kv import MLAKVPool
 from specdec.models.loader import _holds
+from specdec.parallel import SINGLE
 from specdec.models import (
     CheckpointError, DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM, load_deepseek, load_mtp, save_deepseek,
     validate_token_ids,
@@ -352,7 +353,8 @@ def test_mtp_shares_the_targets_embedding_and_head(tmp_path):
     file, embed = str(tmp_path / "model.safetensors"), f"model.layers.{cfg.num_hidden_layers}.embed_tokens.weight"
     for rows in (1, 3, 80):  # blocks of rows, the last one short: the difference is in the last row
         chunk = rows * cfg.hidden_size * 4
-        assert _holds(file, embed, target.embed_tokens.weight, chunk) and not _holds(file, head, target.lm_head.weight, chunk)
+        assert (_holds(file, embed, target.embed_tokens.weight, SINGLE, chunk)
+                and not _holds(file, head, target.lm_head.weight, SINGLE, chunk))
     own_head = load_mtp(str(tmp_path), torch.float32, target=target)
     assert own_head.embed_tokens is target.embed_tokens and own_head.shared_head.head is not target.lm_head
     assert torch.equal(own_head.shared_head.head.weight, tensors[head])

@@ -26,6 +26,7 @@ from specdec.models.mlp import MLP
 from specdec.models.moe import MoE
 from specdec.models.packing import CheckpointViews, row_views
 from specdec.models import ops
+from specdec.parallel import SINGLE, Parallel
 
 
 def validate_token_ids(ids: Union[torch.Tensor, Sequence[int]], vocab_size: int, name: str = "token ids") -> None:
@@ -79,7 +80,35 @@ def _factory(dtype: Optional[torch.dtype], device: Any) -> dict[str, Any]:
     return {"dtype": dtype, "device": device}
 
 
+def local_heads(cfg: DeepseekV3Config, parallel: Parallel) -> int:
+    """The attention heads this rank computes: num_attention_heads / tp."""
+    return parallel.shard(cfg.num_attention_heads, "num_attention_heads")[1]
+
+
 # ---------------------------------------------------------------------------- building blocks
+class VocabEmbedding(nn.Module):
+    """The embedding table's vocabulary slice ``[vocab / tp, D]`` of this rank (the whole table in
+    one process): other ranks' tokens look up zeros here, and an all-reduce adds each token's one row.
+    """
+
+    def __init__(self, vocab: int, dim: int, parallel: Parallel = SINGLE, dtype: Optional[torch.dtype] = None,
+                 device: Any = None) -> None:
+        super().__init__()
+        self.parallel, self.num_embeddings = parallel, vocab
+        self.start, local = parallel.shard(vocab, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(local, dim, **_factory(dtype, device)))
+        nn.init.normal_(self.weight)  # as nn.Embedding
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids ``[T]`` -> ``[T, D]``."""
+        if self.parallel.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(mine, local, 0), self.weight).masked_fill(~mine[:, None], 0)
+        return self.parallel.all_reduce(rows)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32, scaled by the weight in the input dtype (as transformers)."""
 
@@ -147,16 +176,20 @@ class MLAttention(CheckpointViews, nn.Module):
     ``qkv_a`` ``[q_lora + 576, D]`` packs q_a_proj (or, without a q LoRA, q_proj) with
     kv_a_proj_with_mqa: one GEMM, then one kernel (ops.mla_latents) for both latent norms and the
     rope of the cache row. W_UK / W_UV are views of kv_b_proj's weight ``[H, nope + v, 512]``,
-    multiplied per head as strided batched GEMMs (no per-call copy of the weight).
+    multiplied per head as strided batched GEMMs (no per-call copy of the weight). Under tensor
+    parallelism a rank holds num_attention_heads / tp heads (q_b_proj, kv_b_proj, o_proj sliced by
+    head); the one shared latent KV head (qkv_a, the latent norms) is every rank's.
     """
 
     _packed = ("qkv_a",)
 
-    def __init__(self, cfg: DeepseekV3Config, kv_layer_id: int, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+    def __init__(self, cfg: DeepseekV3Config, kv_layer_id: int, parallel: Parallel = SINGLE,
+                 dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
         super().__init__()
         self.cfg, self.kv_layer_id = cfg, kv_layer_id
         fk = _factory(dtype, device)
-        h, d = cfg.num_attention_heads, cfg.hidden_size
+        self.num_heads = h = local_heads(cfg, parallel)
+        d = cfg.hidden_size
         q_name, self.q_rank = ("q_proj", h * cfg.qk_head_dim) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
         self._sections = {f"{q_name}.weight": self.q_rank,
                           "kv_a_proj_with_mqa.weight": cfg.kv_lora_rank + cfg.qk_rope_head_dim}
@@ -174,9 +207,10 @@ class MLAttention(CheckpointViews, nn.Module):
         return row_views(self.qkv_a, self._sections)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``; the backend writes this layer's latent KV rows ``[T, 576]``."""
+        """x ``[T, D]`` -> ``[T, D]``, this rank's heads' part of the output (the layer sums the
+        ranks'); the backend writes this layer's latent KV rows ``[T, 576]``."""
         cfg = self.cfg
-        h, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        h, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
         q, kv_new = ops.mla_latents(ops.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
                                     LATENT_NORM_EPS, *rope, cfg.rope_interleave)
@@ -193,18 +227,22 @@ class MLAttention(CheckpointViews, nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is MoE per config.is_moe_layer.
+    Under tensor parallelism each of the two sums its ranks' parts in one all-reduce.
 
     layer_idx: position in the checkpoint (decides dense vs MoE); kv_layer_id: the KV pool layer
     its attention reads and writes (the MTP layer uses 0 of the draft's own pool).
     """
 
-    def __init__(
-        self, cfg: DeepseekV3Config, layer_idx: int, kv_layer_id: int, dtype: Optional[torch.dtype] = None, device: Any = None
-    ) -> None:
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, kv_layer_id: int, parallel: Parallel = SINGLE,
+                 dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
         super().__init__()
         fk = _factory(dtype, device)
-        self.self_attn = MLAttention(cfg, kv_layer_id, **fk)
-        self.mlp = MoE(cfg, **fk) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size, **fk)
+        self.parallel = parallel
+        self.self_attn = MLAttention(cfg, kv_layer_id, parallel, **fk)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, **fk)
+        else:
+            self.mlp = MLP(cfg.hidden_size, parallel.shard(cfg.intermediate_size, "intermediate_size")[1], **fk)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
 
@@ -213,19 +251,21 @@ class DecoderLayer(nn.Module):
         """(x, residual) ``[T, D]`` each -> the same after this layer; the stream's value is
         x + residual (residual None: x alone), so each residual add fuses into the next norm."""
         h, residual = self.input_layernorm.residual(x, residual)
-        h, residual = self.post_attention_layernorm.residual(self.self_attn(h, rope, backend, batch), residual)
-        return self.mlp(h), residual
+        attn = self.parallel.all_reduce(self.self_attn(h, rope, backend, batch))
+        h, residual = self.post_attention_layernorm.residual(attn, residual)
+        return self.parallel.all_reduce(self.mlp(h)), residual
 
 
 # ------------------------------------------------------------------------------------- models
 class DeepseekV3Model(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.*``)."""
 
-    def __init__(self, cfg: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+    def __init__(self, cfg: DeepseekV3Config, parallel: Parallel = SINGLE, dtype: Optional[torch.dtype] = None,
+                 device: Any = None) -> None:
         super().__init__()
         fk = _factory(dtype, device)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **fk)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, i, **fk) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel, **fk)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, i, parallel, **fk) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
 
 
@@ -235,19 +275,24 @@ class DeepseekV3ForCausalLM(nn.Module):
     forward(input_ids ``[T]`` int64, positions ``[T]`` int64, backend, batch) -> hidden ``[T, D]``
     after the final norm, in the model dtype. Tokens of all requests are packed along T as the
     batch describes; KV layer i of the backend's pool is decoder layer i.
+
+    parallel: this process's tensor-parallel slice (specdec.parallel); every rank returns the same
+    hidden states and the same full-vocabulary logits.
     """
 
-    def __init__(self, config: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+    def __init__(self, config: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None,
+                 parallel: Parallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = DeepseekV3Model(config, dtype, device)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.config, self.parallel = config, parallel
+        self.model = DeepseekV3Model(config, parallel, dtype, device)
+        vocab = parallel.shard(config.vocab_size, "vocab_size")[1]
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, device)
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> "VocabEmbedding":
         return self.model.embed_tokens
 
     @property
@@ -256,7 +301,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     def attn_spec(self) -> LayerSpec:
-        return LayerSpec(self.config.num_attention_heads, softmax_scale(self.config))
+        """This rank's heads (all of them in one process) and the softmax scale."""
+        return LayerSpec(local_heads(self.config, self.parallel), softmax_scale(self.config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
         check_inputs(input_ids, positions, self.config.vocab_size)
@@ -267,5 +313,5 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm.residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""
-        return ops.linear(hidden, self.lm_head.weight).float()
+        """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32 (every rank's vocabulary slice, gathered)."""
+        return self.parallel.all_gather(ops.linear(hidden, self.lm_head.weight)).float()

@@ -24,48 +24,59 @@ from safetensors.torch import save_file
 from specdec.models.config import DeepseekV3Config
 from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.mtp import DeepseekMTP
+from specdec.parallel import SINGLE, Parallel
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the target's; the release stores copies
 _WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names of the float types copy_ converts exactly
+# Tensors cut across tensor-parallel ranks, by module name: the dim cut. A rank's slice is one
+# contiguous block (heads, intermediate units and vocabulary ids are consecutive); others are whole.
+_TP_DIMS = {"q_proj": 0, "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0, "down_proj": 1,
+            "embed_tokens": 0, "lm_head": 0, "head": 0}
 
 
 class CheckpointError(ValueError):
     """The checkpoint's weights do not match what the config describes."""
 
 
-def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu") -> DeepseekV3ForCausalLM:
+def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu",
+                  parallel: Parallel = SINGLE) -> DeepseekV3ForCausalLM:
     """The target model of an HF DeepSeek-V3 directory, built directly in ``dtype`` on ``device``
     (an MTP layer in the checkpoint is skipped; see :func:`load_mtp`). The weights' names, dtypes
-    and shapes are checked against the config before the model is built (CheckpointError)."""
+    and shapes are checked against the config before the model is built (CheckpointError).
+    parallel: this rank's slice; it reads only its slice of each cut tensor (_TP_DIMS) from the
+    files, so no rank ever holds the whole model."""
     config = DeepseekV3Config.from_json(os.path.join(path, "config.json"))
     index = _weight_index(path)
     names = [n for n in index if not _is_mtp_weight(n, config)]
     if config.tie_word_embeddings:  # a copy of the tied head is redundant (transformers ties it too)
         names = [n for n in names if n != "lm_head.weight"]
-    _check_weights(_own_tensors(DeepseekV3ForCausalLM(config, dtype, "meta")), names, index, path)
+    _check_weights(_own_tensors(DeepseekV3ForCausalLM(config, dtype, "meta", parallel)), names, index, path, parallel)
     if config.tie_word_embeddings and "lm_head.weight" in index:
         # A head that is not the embedding would be dropped silently (as transformers does). Checked
         # before the build, against the embedding as stored (tied models are small ones).
         embed = "model.embed_tokens.weight"
         with safe_open(index[embed], "pt") as f:
             stored = f.get_tensor(embed)
-        if not _holds(index["lm_head.weight"], "lm_head.weight", stored):
+        if not _holds(index["lm_head.weight"], "lm_head.weight", stored, SINGLE):
             raise CheckpointError(f"{path}: config.json ties the head to the embedding (tie_word_embeddings=true), "
                                   f"but the checkpoint's lm_head.weight is not {embed}: set tie_word_embeddings to "
                                   "false to load that head, or remove it from the checkpoint")
-    model = DeepseekV3ForCausalLM(config, dtype, device)
-    _copy_weights(_own_tensors(model), index)
+    model = DeepseekV3ForCausalLM(config, dtype, device, parallel)
+    _copy_weights(_own_tensors(model), index, parallel)
     return model.eval()
 
 
 def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu",
-             target: Optional[DeepseekV3ForCausalLM] = None) -> DeepseekMTP:
+             target: Optional[DeepseekV3ForCausalLM] = None, parallel: Optional[Parallel] = None) -> DeepseekMTP:
     """The MTP draft layer of an HF DeepSeek-V3 directory. Its embed_tokens and shared_head.head
     are the target's (``target``, in ``dtype``; device "cuda" then means the target's GPU) where the
     checkpoint has no copy of them, or a copy equal to the target's (the public release stores
     copies of the shared tensors: ~3.7 GB of bf16 saved, and a frozen target freezes them too);
-    else the checkpoint's own (a draft trained with its own embedding or head)."""
+    else the checkpoint's own (a draft trained with its own embedding or head). parallel: as
+    load_deepseek's (default: the target's, else one process)."""
+    if parallel is None:
+        parallel = target.parallel if target is not None else SINGLE
     config = DeepseekV3Config.from_json(os.path.join(path, "config.json"))
     if config.num_nextn_predict_layers < 1:
         raise ValueError(f"{path} has no MTP layer: its config.json sets num_nextn_predict_layers={config.num_nextn_predict_layers}")
@@ -85,8 +96,9 @@ def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu"
         if weight.dtype == dtype and weight.device == want:
             device = want
             modules = dict(zip(_MTP_SHARED, (target.embed_tokens, target.lm_head)))
-            _check_shared_shapes(modules, config, path)
-            shared = tuple(n for n in _MTP_SHARED if n in absent or _holds(index[prefix + n], prefix + n, modules[n].weight))
+            _check_shared_shapes(modules, config, path, parallel)
+            shared = tuple(n for n in _MTP_SHARED
+                           if n in absent or _holds(index[prefix + n], prefix + n, modules[n].weight, parallel))
         elif absent:
             raise CheckpointError(f"{path}: the MTP layer shares the target's {absent}, which is {weight.dtype} on "
                                   f"{weight.device}; asked for {dtype} on {device}: load both alike")
@@ -95,37 +107,40 @@ def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu"
     def build(on: Any) -> DeepseekMTP:
         return DeepseekMTP(config, None, dtype, on,
                            embed_tokens=target.embed_tokens if "embed_tokens.weight" in shared else None,
-                           head=target.lm_head if "shared_head.head.weight" in shared else None)
+                           head=target.lm_head if "shared_head.head.weight" in shared else None, parallel=parallel)
 
     def own(mtp: DeepseekMTP) -> dict[str, torch.Tensor]:
         return {prefix + _mtp_checkpoint_name(n): t for n, t in _own_tensors(mtp).items() if n not in shared}
 
-    _check_weights(own(build("meta")), available, index, path)
+    _check_weights(own(build("meta")), available, index, path, parallel)
     mtp = build(device)
-    _copy_weights(own(mtp), index)
+    _copy_weights(own(mtp), index, parallel)
     return mtp.eval()
 
 
-def _check_shared_shapes(modules: dict[str, torch.nn.Module], config: DeepseekV3Config, path: str) -> None:
-    """CheckpointError where the target's embedding or head is not the [vocab, hidden] of the
+def _check_shared_shapes(modules: dict[str, torch.nn.Module], config: DeepseekV3Config, path: str,
+                         parallel: Parallel) -> None:
+    """CheckpointError where the target's embedding or head is not the [vocab / tp, hidden] of the
     checkpoint's config (a target of another checkpoint)."""
-    expected = (config.vocab_size, config.hidden_size)
+    expected = (config.vocab_size // parallel.size, config.hidden_size)
     for name, module in modules.items():
         if tuple(module.weight.shape) != expected:
             raise CheckpointError(f"{path}: the target's {name} is {tuple(module.weight.shape)}, its config.json implies "
                                   f"{expected}: pass the target of this checkpoint")
 
 
-def _holds(file: str, name: str, tensor: torch.Tensor, chunk_bytes: int = 64 << 20) -> bool:
-    """Whether the checkpoint's ``name`` equals ``tensor`` once in its dtype, compared a block of
-    rows at a time (never a whole vocabulary-sized copy in memory)."""
+def _holds(file: str, name: str, tensor: torch.Tensor, parallel: Parallel, chunk_bytes: int = 64 << 20) -> bool:
+    """Whether the checkpoint's ``name`` (this rank's slice of it, a cut tensor's) equals ``tensor``
+    once in its dtype, compared a block of rows at a time (never a whole vocabulary-sized copy)."""
     with safe_open(file, "pt") as f:
         header = f.get_slice(name)
-        if header.get_dtype() not in _WEIGHT_DTYPES or tuple(header.get_shape()) != tuple(tensor.shape):
+        if (header.get_dtype() not in _WEIGHT_DTYPES
+                or tuple(header.get_shape()) != _full_shape(name, tuple(tensor.shape), parallel)):
             return False
+        offset = parallel.rank * tensor.shape[0] if _tp_dim(name, parallel) == 0 else 0
         rows = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
-        return all(torch.equal(header[start:start + rows].to(tensor.device, tensor.dtype), tensor[start:start + rows])
-                   for start in range(0, tensor.shape[0], rows))
+        return all(torch.equal(header[offset + start:offset + start + rows].to(tensor.device, tensor.dtype),
+                               tensor[start:start + rows]) for start in range(0, tensor.shape[0], rows))
 
 
 def save_deepseek(model: DeepseekV3ForCausalLM, path: str, mtp: Optional[DeepseekMTP] = None) -> None:
@@ -138,6 +153,9 @@ def save_deepseek(model: DeepseekV3ForCausalLM, path: str, mtp: Optional[Deepsee
     if stale:
         raise ValueError(f"{path} holds {_short(stale)}, which the loaders would read with (or instead of) the new "
                          "model.safetensors: save into another directory, or remove them")
+    if model.parallel.size > 1:
+        raise ValueError(f"save_deepseek writes a whole model: this one holds rank {model.parallel.rank}'s slice of "
+                         f"{model.parallel.size}; save from a single-process model")
     config = model.config.to_dict()
     config["num_nextn_predict_layers"] = int(mtp is not None)
     tensors = {n: t.detach() for n, t in _own_tensors(model).items()}
@@ -213,10 +231,11 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_weights(own: dict[str, torch.Tensor], available: list[str], index: dict[str, str], where: str) -> None:
+def _check_weights(own: dict[str, torch.Tensor], available: list[str], index: dict[str, str], where: str,
+                   parallel: Parallel) -> None:
     """CheckpointError unless the checkpoint weights meant for a module (``available``) are exactly
     own's names (checkpoint name -> module tensor, on any device: meta too), each in its file, a
-    float of 16 bits or more, of own's shape; reads only the files' headers."""
+    float of 16 bits or more, of own's shape (times tp along a cut dim); reads only the headers."""
     missing = sorted(own.keys() - set(available))
     unexpected = sorted(set(available) - own.keys())
     if missing or unexpected:
@@ -232,19 +251,38 @@ def _check_weights(own: dict[str, torch.Tensor], available: list[str], index: di
                     # copy_ would read e4m3 codes as values (a weight left quantised, its scale lost)
                     raise CheckpointError(f"{where}: {name} is {header.get_dtype()}; the loader takes float weights of "
                                           "16 bits or more: dequantise FP8 checkpoints to bf16 first")
-                if tuple(header.get_shape()) != tuple(own[name].shape):
+                expected = _full_shape(name, tuple(own[name].shape), parallel)
+                if tuple(header.get_shape()) != expected:
                     raise CheckpointError(f"{where}: {name} has shape {tuple(header.get_shape())}, config.json implies "
-                                          f"{tuple(own[name].shape)}")
+                                          f"{expected}")
 
 
-def _copy_weights(own: dict[str, torch.Tensor], index: dict[str, str]) -> None:
-    """Copy checkpoint tensors into ``own`` (checkpoint name -> module tensor), one at a time;
-    _check_weights has checked them."""
+def _copy_weights(own: dict[str, torch.Tensor], index: dict[str, str], parallel: Parallel) -> None:
+    """Copy checkpoint tensors (this rank's slice of a cut one, read alone) into ``own``
+    (checkpoint name -> module tensor), one at a time; _check_weights has checked them."""
     with torch.no_grad():
         for file, names in _by_file(own, index).items():
             with safe_open(file, "pt") as f:
                 for name in names:
-                    own[name].copy_(f.get_tensor(name))
+                    dim, target = _tp_dim(name, parallel), own[name]
+                    if dim is None:
+                        target.copy_(f.get_tensor(name))
+                        continue
+                    start = parallel.rank * target.shape[dim]
+                    cut = slice(start, start + target.shape[dim])
+                    target.copy_(f.get_slice(name)[cut] if dim == 0 else f.get_slice(name)[:, cut])
+
+
+def _tp_dim(name: str, parallel: Parallel) -> Optional[int]:
+    """The dim of checkpoint tensor ``name`` cut across ranks (_TP_DIMS), None if it is whole."""
+    parts = name.split(".")
+    return _TP_DIMS.get(parts[-2]) if parallel.size > 1 and len(parts) >= 2 else None
+
+
+def _full_shape(name: str, local: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
+    """The checkpoint shape of tensor ``name`` whose rank slice is ``local``."""
+    dim = _tp_dim(name, parallel)
+    return local if dim is None else local[:dim] + (local[dim] * parallel.size,) + local[dim + 1:]
 
 
 def _by_file(own: dict[str, torch.Tensor], index: dict[str, str]) -> dict[str, list[str]]:

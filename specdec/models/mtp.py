@@ -11,8 +11,10 @@ from attn.base import AttnBatch, LayerSpec
 from specdec.models import ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.deepseek import (
-    DecoderLayer, DeepseekV3ForCausalLM, RMSNorm, RotaryEmbedding, check_inputs, softmax_scale,
+    DecoderLayer, DeepseekV3ForCausalLM, RMSNorm, RotaryEmbedding, VocabEmbedding, check_inputs, local_heads,
+    softmax_scale,
 )
+from specdec.parallel import SINGLE, Parallel
 
 
 class SharedHead(nn.Module):
@@ -34,7 +36,8 @@ class DeepseekMTP(nn.Module):
 
     Embedding and head: ``embed_tokens`` / ``head`` modules passed in are shared; otherwise the
     target's (``target=``) are shared; otherwise the layer gets its own (the public checkpoint
-    stores its own copies; see loader.load_mtp).
+    stores its own copies; see loader.load_mtp). parallel: the target's tensor-parallel slice
+    (by default the target's; one process without a target).
     """
 
     num_attention_layers = 1
@@ -47,25 +50,30 @@ class DeepseekMTP(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Any = None,
         *,
-        embed_tokens: Optional[nn.Embedding] = None,
+        embed_tokens: Optional[VocabEmbedding] = None,
         head: Optional[nn.Linear] = None,
+        parallel: Optional[Parallel] = None,
     ) -> None:
         super().__init__()
-        self.config = config
+        if parallel is None:
+            parallel = target.parallel if target is not None else SINGLE
+        self.config, self.parallel = config, parallel
         fk = {"dtype": dtype, "device": device}
         d, eps = config.hidden_size, config.rms_norm_eps
         if target is not None:
+            if target.parallel != parallel:
+                raise ValueError(f"the MTP layer's parallel ({parallel}) must be its target's ({target.parallel})")
             embed_tokens = target.embed_tokens if embed_tokens is None else embed_tokens
             head = target.lm_head if head is None else head
         if embed_tokens is None:
-            embed_tokens = nn.Embedding(config.vocab_size, d, **fk)
+            embed_tokens = VocabEmbedding(config.vocab_size, d, parallel, **fk)
         if head is None:
-            head = nn.Linear(d, config.vocab_size, bias=False, **fk)
+            head = nn.Linear(d, parallel.shard(config.vocab_size, "vocab_size")[1], bias=False, **fk)
         self.embed_tokens = embed_tokens
         self.enorm = RMSNorm(d, eps, **fk)
         self.hnorm = RMSNorm(d, eps, **fk)
         self.eh_proj = nn.Linear(2 * d, d, bias=False, **fk)
-        self.layer = DecoderLayer(config, layer_idx=config.num_hidden_layers, kv_layer_id=0, **fk)
+        self.layer = DecoderLayer(config, config.num_hidden_layers, 0, parallel, **fk)
         self.shared_head = SharedHead(RMSNorm(d, eps, **fk), head)
         self.rotary = RotaryEmbedding(config, device)
 
@@ -77,10 +85,10 @@ class DeepseekMTP(nn.Module):
     @property
     def vocab_size(self) -> int:
         """The width of compute_logits' logits: the head's (shared or its own)."""
-        return self.shared_head.head.out_features
+        return self.shared_head.head.out_features * self.parallel.size
 
     def attn_spec(self) -> LayerSpec:
-        return LayerSpec(self.config.num_attention_heads, softmax_scale(self.config))
+        return LayerSpec(local_heads(self.config, self.parallel), softmax_scale(self.config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
         check_inputs(input_ids, positions, self.config.vocab_size)
@@ -92,4 +100,4 @@ class DeepseekMTP(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""
-        return ops.linear(hidden, self.shared_head.head.weight).float()
+        return self.parallel.all_gather(ops.linear(hidden, self.shared_head.head.weight)).float()
