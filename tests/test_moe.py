@@ -1,0 +1,367 @@
+"""The routed MoE (specdec/models/moe.py) and its grouped GEMM (specdec/models/moe_kernels.py).
+
+Reference: a loop over tokens and their chosen experts in fp32, from the checkpoint's per-expert
+tensors (the state dict's names): weight * down_e(silu(gate_e x) * up_e x), plus the shared
+expert. Routings are forced (the router patched) to reach the layout's edge cases: ties, one
+expert for every token, experts nobody chose, one token, more pairs than a block, k = 1 and 8.
+CPU: the torch path (forward and backward) and the block layout; the Triton kernels under the
+interpreter. GPU (marked ``gpu``): the Triton path at a DeepSeek-like size, and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from interpreted import run_interpreted
+from specdec.models import moe as moe_module
+from specdec.models.config import DeepseekV3Config
+from specdec.models.moe import MoE
+from specdec.models.moe_kernels import max_blocks, sort_into_blocks, tiles_for
+
+SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
+             qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+             n_group=4, topk_group=2, first_k_dense_replace=0, max_position_embeddings=256)
+
+
+def make_moe(dtype=torch.float32, device="cpu", seed=0, **overrides) -> MoE:
+    """A MoE with unit-scale weights (1/sqrt(fan_in)), so every expert visibly changes the output."""
+    torch.manual_seed(seed)
+    moe = MoE(DeepseekV3Config(**{**SMALL, **overrides}), dtype, device)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
+    return moe
+
+
+def reference(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The MoE of x ``[T, D]`` routed by (weights, ids) ``[T, k]``, token by token, in fp32 on x's device."""
+    w = {name: t.detach().float() for name, t in moe.state_dict().items()}
+    x, weights = x.detach().float(), weights.detach().float()
+
+    def mlp(prefix: str, v: torch.Tensor) -> torch.Tensor:
+        h = F.silu(w[prefix + "gate_proj.weight"] @ v) * (w[prefix + "up_proj.weight"] @ v)
+        return w[prefix + "down_proj.weight"] @ h
+
+    out = torch.stack([mlp("shared_experts.", v) for v in x])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            out[t] += weights[t, j] * mlp(f"experts.{int(ids[t, j])}.", x[t])
+    return out.cpu()
+
+
+def random_routing(tokens: int, top_k: int, experts: int, gen: torch.Generator, avoid: tuple[int, ...] = ()):
+    """Distinct experts per token (none of ``avoid``), random positive weights: ([T, k] fp32, [T, k] int64)."""
+    allowed = torch.tensor([e for e in range(experts) if e not in avoid])
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(tokens)])
+    return torch.rand(tokens, top_k, generator=gen) + 0.1, ids
+
+
+def forced(monkeypatch, moe: MoE, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    monkeypatch.setattr(moe.gate, "forward", lambda x: (weights.to(x.device), ids.to(x.device)))
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+# ------------------------------------------------------------------------------- layout
+def test_layout_of_the_docstring_example():
+    blocks = sort_into_blocks(torch.tensor([[2, 0], [2, 2]]), num_experts=3, block_m=2)
+    assert blocks.row_pair.tolist() == [1, 4, 0, 2, 3, 4, 4, 4]
+    assert blocks.block_expert.tolist() == [0, 2, 2, 3]
+    assert blocks.pair_row.tolist() == [2, 0, 3, 4]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 64, 16), (5, 2, 8, 16), (40, 1, 8, 16),
+                                                          (64, 8, 16, 32), (300, 8, 256, 16), (3, 4, 4, 64)])
+def test_layout_invariants(tokens, top_k, experts, block_m):
+    """Each pair in one row, rows of a block one expert's in pair order, padding and unused blocks
+    marked, and the static bound on blocks holds with every used block non-empty."""
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    if tokens == 40:
+        ids.fill_(3)
+    blocks = sort_into_blocks(ids, experts, block_m)
+    pairs = tokens * top_k
+    assert blocks.num_blocks == max_blocks(pairs, experts, block_m)
+    assert blocks.row_pair[blocks.pair_row].tolist() == list(range(pairs))
+    flat = ids.flatten()
+    rows = blocks.row_pair.view(-1, block_m)
+    used = blocks.block_expert < experts
+    assert used.sum() == sum(-(-int((flat == e).sum()) // block_m) for e in range(experts))
+    assert used[:int(used.sum())].all()  # the used blocks lead
+    for b, expert in enumerate(blocks.block_expert.tolist()):
+        real = rows[b][rows[b] < pairs]
+        if expert == experts:
+            assert real.numel() == 0
+        else:
+            assert real.numel() > 0 and (flat[real] == expert).all() and (real.diff() > 0).all()
+
+
+def test_tiles_follow_rows_per_expert():
+    bf16 = torch.bfloat16
+    assert tiles_for(8, 256, 7168, 2048, bf16).block_m == 16  # batch 1: a block per chosen expert
+    assert tiles_for(2048, 64, 7168, 256, bf16).block_m == 32
+    assert tiles_for(65536, 256, 7168, 2048, bf16).block_m == 64
+    assert tiles_for(8, 256, 7168, 2048, torch.float32).k1 == tiles_for(8, 256, 7168, 2048, bf16).k1 // 2
+    small = tiles_for(4, 8, 64, 32, bf16)  # clamped to the shape
+    assert (small.n1, small.k1, small.n2, small.k2) == (16, 64, 64, 32)
+
+
+# ------------------------------------------------------------------- torch path (CPU)
+CASES = {  # name: (tokens, config overrides, routing)
+    "random": (7, {}, "random"),
+    "one-token": (1, {}, "random"),
+    "one-expert-many-blocks": (40, dict(num_experts_per_tok=1), "one"),
+    "unchosen-expert": (6, {}, "avoid"),
+    "k1": (9, dict(num_experts_per_tok=1), "random"),
+    "k8": (5, dict(n_routed_experts=16, num_experts_per_tok=8, n_group=2, topk_group=2), "random"),
+    "k8-many-tokens": (24, dict(n_routed_experts=16, num_experts_per_tok=8, n_group=2, topk_group=2), "random"),
+}
+
+
+def routing_for(kind: str, tokens: int, moe: MoE, gen: torch.Generator):
+    cfg = moe.gate.cfg
+    k, experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+    if kind == "one":
+        return torch.rand(tokens, k, generator=gen) + 0.1, torch.full((tokens, k), 5)
+    return random_routing(tokens, k, experts, gen, avoid=(0, 3) if kind == "avoid" else ())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_matches_reference(monkeypatch, case, dtype):
+    tokens, overrides, kind = CASES[case]
+    moe = make_moe(dtype, **overrides)
+    gen = torch.Generator().manual_seed(1)
+    weights, ids = routing_for(kind, tokens, moe, gen)
+    if kind == "avoid":  # an expert nobody chose is never read
+        with torch.no_grad():
+            moe.experts_gate_up[0].fill_(float("nan"))
+            moe.experts_down[3].fill_(float("nan"))
+    x = torch.randn(tokens, 64, generator=gen).to(dtype)
+    forced(monkeypatch, moe, weights, ids)
+    with torch.no_grad():
+        got = moe(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_matches(got, reference(moe, x, weights, ids), dtype)
+
+
+def test_tied_scores_through_the_router():
+    """Zero router weights: every score ties; whatever the router picks is what is computed."""
+    moe = make_moe()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+    x = torch.randn(6, 64)
+    weights, ids = moe.gate(x)
+    with torch.no_grad():
+        assert_matches(moe(x), reference(moe, x, weights, ids), torch.float32)
+
+
+def test_empty_batch():
+    moe = make_moe()
+    with torch.no_grad():
+        assert moe(torch.randn(0, 64)).shape == (0, 64)
+
+
+def test_backward_matches_reference():
+    """The torch path trains: gradients of x, the experts and the router as the reference's."""
+    moe = make_moe(n_routed_experts=4, n_group=2, topk_group=1)
+    x = torch.randn(20, 64, requires_grad=True)
+    grad_out = torch.randn(20, 64)
+    (moe(x) * grad_out).sum().backward()
+    got = (x.grad, moe.experts_gate_up.grad, moe.experts_down.grad, moe.gate.weight.grad)
+
+    ref = make_moe(n_routed_experts=4, n_group=2, topk_group=1)
+    x_ref = x.detach().clone().requires_grad_()
+    weights, ids = ref.gate(x_ref)
+    gate_up, down = ref.experts_gate_up, ref.experts_down
+    out = torch.stack([ref.shared_experts(v[None])[0] for v in x_ref])
+    rows = []
+    for t in range(20):
+        row = out[t]
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (gate_up[e] @ x_ref[t]).chunk(2)
+            row = row + weights[t, j] * (down[e] @ (F.silu(g) * u))
+        rows.append(row)
+    (torch.stack(rows) * grad_out).sum().backward()
+    want = (x_ref.grad, gate_up.grad, down.grad, ref.gate.weight.grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_names_round_trip():
+    """Per-expert checkpoint names and shapes; loading writes into the packed parameters."""
+    moe, other = make_moe(seed=0), make_moe(seed=1)
+    state = moe.state_dict()
+    experts, inter, hidden = 8, 32, 64
+    for e in range(experts):
+        assert state[f"experts.{e}.gate_proj.weight"].shape == (inter, hidden)
+        assert state[f"experts.{e}.up_proj.weight"].shape == (inter, hidden)
+        assert state[f"experts.{e}.down_proj.weight"].shape == (hidden, inter)
+    assert not any(name.startswith("experts_") for name in state)
+    assert {n for n in state if not n.startswith("experts.")} == {
+        "gate.weight", "gate.e_score_correction_bias", "shared_experts.gate_proj.weight",
+        "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"}
+    result = other.load_state_dict({k: v.clone() for k, v in state.items()})
+    assert not result.missing_keys and not result.unexpected_keys
+    torch.testing.assert_close(other.experts_gate_up, moe.experts_gate_up, rtol=0, atol=0)
+    torch.testing.assert_close(other.experts_down, moe.experts_down, rtol=0, atol=0)
+    torch.testing.assert_close(other.experts_gate_up[2, inter:], state["experts.2.up_proj.weight"], rtol=0, atol=0)
+
+
+def test_init_as_linear():
+    """kaiming_uniform(a=sqrt(5)) per expert matrix: uniform in +-1/sqrt(fan_in)."""
+    cfg = DeepseekV3Config(**SMALL)
+    moe = MoE(cfg)
+    assert moe.experts_gate_up.abs().max() <= 64 ** -0.5 and moe.experts_gate_up.abs().max() > 0.9 * 64 ** -0.5
+    assert moe.experts_down.abs().max() <= 32 ** -0.5 and moe.experts_down.abs().max() > 0.9 * 32 ** -0.5
+
+
+# ------------------------------------------------------------------- Triton interpreter
+def test_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted("""
+import torch
+from specdec.models.moe_kernels import grouped_experts, sort_into_blocks, tiles_for
+from test_moe import assert_matches, make_moe, random_routing, reference
+
+# D and I not powers of two (masked K and N tails); 16-row and 32-row blocks; k = 1, 2 and 8;
+# unused blocks past those in use.
+for dtype in (torch.float32, torch.bfloat16):
+    for tokens, experts, top_k, n_group in ((1, 8, 2, 4), (5, 16, 8, 2), (40, 4, 2, 2), (30, 8, 1, 4)):
+        moe = make_moe(dtype, hidden_size=72, moe_intermediate_size=40, n_routed_experts=experts,
+                       num_experts_per_tok=top_k, n_group=n_group, topk_group=n_group)
+        gen = torch.Generator().manual_seed(tokens)
+        weights, ids = random_routing(tokens, top_k, experts, gen, avoid=(0,))
+        if tokens == 30:
+            ids.fill_(2)  # one expert, two blocks
+        with torch.no_grad():  # nobody chose expert 0: its weights are never read
+            moe.experts_gate_up[0].fill_(float("nan"))
+            moe.experts_down[0].fill_(float("nan"))
+        x = torch.randn(tokens, 72, generator=gen).to(dtype)
+        tiles = tiles_for(ids.numel(), experts, 72, 40, dtype)
+        blocks = sort_into_blocks(ids, experts, tiles.block_m)
+        per_pair = grouped_experts(x, moe.experts_gate_up.detach(), moe.experts_down.detach(), weights, blocks, tiles)
+        with torch.no_grad():
+            got = per_pair.view(tokens, top_k, 72).sum(1).to(dtype) + moe.shared_experts(x)
+        assert_matches(got, reference(moe, x, weights, ids), dtype)
+print("ok")
+""")
+
+
+H200_SHARED_MEMORY = 232448  # bytes a block may use on SM90
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64"}
+
+
+def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter):
+    """The (kernel, args, constexprs and options) grouped_experts launches, for CPU stand-ins of
+    the inputs (weights broadcast from one row: only shapes, strides and dtypes reach the compile)."""
+    from specdec.models import moe_kernels
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name)))
+    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(0))
+    tiles = tiles_for(ids.numel(), experts, hidden, inter, dtype)
+    gate_up = torch.empty(1, 1, hidden, dtype=dtype).expand(experts, 2 * inter, hidden)
+    down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, hidden, inter)
+    moe_kernels.grouped_experts(torch.empty(tokens, hidden, dtype=dtype), gate_up, down, torch.rand(tokens, top_k),
+                                sort_into_blocks(ids, experts, tiles.block_m), tiles)
+    return launches
+
+
+def compile_for_sm90(kernel, args, kwargs):
+    """Compile a recorded launch for sm_90 as Triton's launcher would specialise it (pointers 16-byte
+    aligned, as the caching allocator gives; integers divisible by 16 marked so)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages")}
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in kwargs:
+            signature[name] = "constexpr"
+            continue
+        arg = args[i]
+        signature[name] = "*" + TRITON_TYPES[arg.dtype] if isinstance(arg, torch.Tensor) else "i32"
+        if isinstance(arg, torch.Tensor) or arg % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, kwargs, attrs), target=GPUTarget("cuda", 90, 64),
+                          options=options)
+
+
+@pytest.mark.parametrize("dtype,tokens,experts,inter", [
+    (torch.bfloat16, 3, 256, 2048), (torch.bfloat16, 256, 64, 256), (torch.bfloat16, 1024, 64, 2048),
+    (torch.float16, 3, 64, 256), (torch.float32, 3, 64, 256), (torch.float32, 256, 64, 256),
+], ids=["bf16-decode", "bf16-2048-pairs", "bf16-prefill", "fp16-decode", "fp32-decode", "fp32-2048-pairs"])
+def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
+    """Without a GPU: the kernels grouped_experts launches (16, 32 and 64-row tiles) compile for
+    H200, their loads pipelined into shared memory that fits a block."""
+    pytest.importorskip("triton.backends.nvidia")
+    launches = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter)
+    assert len(launches) == 2
+    for launch in launches:
+        compiled = compile_for_sm90(*launch)
+        assert "cp.async" in compiled.asm["ptx"]
+        assert compiled.metadata.shared <= H200_SHARED_MEMORY
+
+
+# ------------------------------------------------------------------------------ GPU
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEEPSEEK_LIKE = dict(hidden_size=7168, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
+                     n_group=8, topk_group=4)
+
+
+def _no_torch_path(*args, **kwargs):
+    raise AssertionError("the torch path ran for CUDA tensors outside autograd")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_path_on_gpu(monkeypatch, dtype):
+    monkeypatch.setattr(moe_module, "grouped_experts_torch", _no_torch_path)
+    moe = make_moe(dtype, "cuda", **DEEPSEEK_LIKE).eval()
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 4, 64, 256):
+        x = torch.randn(tokens, 7168, generator=gen).to(dtype).cuda()
+        with torch.inference_mode():
+            weights, ids = moe.gate(x)
+            got = moe(x)
+        assert_matches(got, reference(moe, x, weights, ids), dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_triton_path_captures_in_a_cuda_graph():
+    moe = make_moe(torch.bfloat16, "cuda", **DEEPSEEK_LIKE).eval()
+    static = torch.randn(4, 7168, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            moe(static)  # compiles the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(static)
+        for seed in (1, 2):
+            fresh = torch.randn(4, 7168, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+            static.copy_(fresh)
+            graph.replay()
+            assert torch.equal(out, moe(fresh))
