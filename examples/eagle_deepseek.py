@@ -4,6 +4,7 @@
     python examples/eagle_deepseek.py --checkpoint DIR      # any HF-format DeepSeek-V3 dir with an MTP layer
     python examples/eagle_deepseek.py --device cuda --backend triton_mla --cuda-graph
     python examples/eagle_deepseek.py --topk 4 --num-draft-tokens 8 --temperature 0.7 --plot spec.png
+    torchrun --nproc-per-node 2 examples/eagle_deepseek.py --tp 2   # tensor parallel (gloo on CPU, NCCL on GPUs)
 
 The prompts are the beginnings of held-out standard-library files (train_tiny.py's split), as
 bytes. Prints the continuations, the mean accept length, decode tokens/s both ways and the
@@ -34,6 +35,7 @@ from specdec.config import SpecConfig
 from specdec.kv import check_memory
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
+from specdec.parallel import Parallel
 from specdec.sampling import SamplingParams
 from specdec.worker import EagleWorker
 from train_tiny import DEFAULT_OUT, stdlib_files
@@ -53,9 +55,13 @@ def tiny_default(device: torch.device, dtype: torch.dtype) -> tuple[DeepseekV3Fo
     return target, mtp
 
 
-def load_models(checkpoint: str | None, device: torch.device, dtype: torch.dtype) -> tuple[DeepseekV3ForCausalLM, DeepseekMTP]:
-    """The checkpoint's target and MTP draft; default examples/tiny_model, else the random tiny model."""
+def load_models(checkpoint: str | None, device: torch.device, dtype: torch.dtype,
+                parallel: Parallel) -> tuple[DeepseekV3ForCausalLM, DeepseekMTP]:
+    """The checkpoint's target and MTP draft (this rank's slice); default examples/tiny_model, else
+    the random tiny model (one process only)."""
     path = checkpoint or (DEFAULT_OUT if (DEFAULT_OUT / "config.json").exists() else None)
+    if path is None and parallel.size > 1:
+        raise FileNotFoundError(f"no checkpoint: --tp needs one (train {DEFAULT_OUT} with examples/train_tiny.py)")
     if path is None:
         print(f"{DEFAULT_OUT} not found: train it with `python examples/train_tiny.py` (one GPU, a few minutes); "
               "running a randomly initialised tiny model instead (expect short accept lengths)")
@@ -63,7 +69,7 @@ def load_models(checkpoint: str | None, device: torch.device, dtype: torch.dtype
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError("not an HF-format checkpoint directory (no config.json in it)")
     print(f"model: {path}")
-    target = load_deepseek(str(path), dtype, device)
+    target = load_deepseek(str(path), dtype, device, parallel)
     return target, load_mtp(str(path), dtype, device, target=target)
 
 
@@ -279,8 +285,31 @@ def parser() -> argparse.ArgumentParser:
                     help="timed runs each way; the fastest counts (default %(default)s)")
     ap.add_argument("--plot", metavar="PATH", help="also time batch sizes 1, 2, 4, .. up to --batch-size; write a PNG")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu, cuda or cuda:N (default: cuda where there is one)")
+                    help="cpu, cuda or cuda:N (default: cuda where there is one; with --tp, each rank's cuda:LOCAL_RANK)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor-parallel ranks, under torchrun --nproc-per-node N (gloo on CPU, NCCL on GPUs); rank 0 prints")
     return ap
+
+
+def start_parallel(ap: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> tuple[Parallel, torch.device]:
+    """This process's rank (one process without --tp) and its device; other ranks print nothing."""
+    if args.tp < 1:
+        ap.error(f"--tp must be at least 1, got {args.tp}")
+    if args.tp == 1:
+        return Parallel(), device
+    world = os.environ.get("WORLD_SIZE")
+    if world != str(args.tp):
+        ap.error(f"--tp {args.tp} runs under torchrun --nproc-per-node {args.tp} (WORLD_SIZE is {world})")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if device.index >= torch.cuda.device_count():
+            ap.error(f"--tp {args.tp}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    parallel = Parallel.from_distributed()
+    if parallel.rank:
+        sys.stdout = open(os.devnull, "w")
+    return parallel, device
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
@@ -324,6 +353,7 @@ def main() -> None:
     ap = parser()
     args = ap.parse_args()
     device = check_args(ap, args)
+    parallel, device = start_parallel(ap, args, device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     backend = args.backend or ("torch_ref" if device.type == "cpu" else "triton_mla")
     # Every backend takes 64-token pages: only a page size the user chose can draw the registry's
@@ -334,7 +364,7 @@ def main() -> None:
     except ValueError as err:  # ConfigError (a ValueError) names the setting; the user typed the flag
         ap.error(as_flags(str(err)))
     try:
-        target, draft = load_models(args.checkpoint, device, dtype)
+        target, draft = load_models(args.checkpoint, device, dtype, parallel)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as err:
         ap.error(f"--checkpoint {args.checkpoint or DEFAULT_OUT}: {err}")
     vocab = target.config.vocab_size
@@ -374,7 +404,8 @@ def main() -> None:
     print("-----")
     mean_accept = sum(result.accept) / max(len(result.accept), 1)
     print(f"backend {backend}, num_steps {cfg.num_steps}, topk {cfg.topk}, num_draft_tokens {cfg.num_draft_tokens}, "
-          f"temperature {args.temperature}, batch {len(prompts)}, device {device}{', CUDA graphs' if args.cuda_graph else ''}")
+          f"temperature {args.temperature}, batch {len(prompts)}, device {device}{', CUDA graphs' if args.cuda_graph else ''}"
+          f"{f', tensor parallel over {parallel.size} ranks' if parallel.size > 1 else ''}")
     print(f"mean accept length: {mean_accept:.2f} drafted tokens/step "
           f"({result.emitted / max(len(result.accept), 1):.2f} tokens/step emitted)")
     print(f"decode tokens/s: target-only {result.base_tok_s:.1f}, spec {result.spec_tok_s:.1f}, "

@@ -3,6 +3,7 @@ flag the user typed (not the SpecConfig field behind it), no traceback, no warni
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,21 @@ def test_bad_flag_is_a_usage_error_naming_it(flags: list[str], flag: str) -> Non
     assert "Traceback" not in run.stderr
     # A page size the user never set draws no warning (the Blackwell backends take 32 or 64, not 16).
     assert "Warning" not in run.stderr and "page_size" not in run.stderr, run.stderr
+
+
+def test_tensor_parallel_example_under_torchrun() -> None:
+    """--tp 2 on two gloo ranks: lossless, and only rank 0 prints."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "examples/eagle_deepseek.py", "--tp", "2", "--device", "cpu", "--batch-size", "2",
+                          "--max-new-tokens", "12", "--repeats", "1", "--prompt-len", "40"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("tensor parallel over 2 ranks") == 1, run.stdout
+    assert "lossless (spec == target-only greedy): 2/2 requests identical" in run.stdout
+
+
+def test_tp_outside_torchrun_is_a_usage_error() -> None:
+    run = subprocess.run([sys.executable, "examples/eagle_deepseek.py", "--device", "cpu", "--tp", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
+    assert run.returncode == 2 and "--tp 2 runs under torchrun --nproc-per-node 2" in run.stderr, run.stderr
