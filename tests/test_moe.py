@@ -29,7 +29,7 @@ SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermedia
 def make_moe(dtype=torch.float32, device="cpu", seed=0, **overrides) -> MoE:
     """A MoE with unit-scale weights (1/sqrt(fan_in)), so every expert visibly changes the output."""
     torch.manual_seed(seed)
-    moe = MoE(DeepseekV3Config(**{**SMALL, **overrides}), dtype, device)
+    moe = MoE(DeepseekV3Config(**{**SMALL, **overrides}), dtype=dtype, device=device)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)

@@ -8,8 +8,7 @@ process's GEMM does, so logits agree to fp32 rounding (bound: 1e-5 relative + 1e
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import pickle
 import socket
 import traceback
 
@@ -44,7 +43,8 @@ def _rank_main(fn, rank: int, size: int, port: int, queue, args) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-        queue.put((rank, True, fn(Parallel.from_distributed(), *args)))
+        # bytes, not tensors: a queue shares tensors through file descriptors this process takes along when it exits
+        queue.put((rank, True, pickle.dumps(fn(Parallel.from_distributed(), *args))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -67,7 +67,7 @@ def run_ranks(fn, size: int, *args) -> list:
             rank, ok, value = queue.get(timeout=RANK_TIMEOUT_S)
             if not ok:
                 raise AssertionError(f"rank {rank} of {size} raised:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -129,7 +129,7 @@ def rank_run(parallel: Parallel, path: str) -> dict:
 # --------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    target, mtp = make_models(n_routed_experts=0)
+    target, mtp = make_models()  # layer 0 dense, layer 1 and the MTP layer MoE
     path = tmp_path_factory.mktemp("tp_model")
     save_deepseek(target, str(path), mtp=mtp)
     return str(path), target, mtp
@@ -195,4 +195,5 @@ def test_each_rank_holds_its_slice(ranks, checkpoint):
     whole = sum(p.numel() * 4 for p in target.parameters())
     kv_a = 576 * target.config.hidden_size * 4 * target.config.num_hidden_layers  # the one latent KV head's
     replicated = kv_a + sum(p.numel() * 4 for n, p in target.named_parameters() if "norm" in n or "mlp.gate." in n)
+    assert any("experts_gate_up" in n for n, _ in target.named_parameters())
     assert all(res["param_bytes"] == replicated + (whole - replicated) // tp for res in results)

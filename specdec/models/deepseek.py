@@ -240,7 +240,7 @@ class DecoderLayer(nn.Module):
         self.parallel = parallel
         self.self_attn = MLAttention(cfg, kv_layer_id, parallel, **fk)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, **fk)
+            self.mlp = MoE(cfg, parallel, **fk)
         else:
             self.mlp = MLP(cfg.hidden_size, parallel.shard(cfg.intermediate_size, "intermediate_size")[1], **fk)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)

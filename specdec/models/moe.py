@@ -16,6 +16,7 @@ from torch import nn
 from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
+from specdec.parallel import SINGLE, Parallel
 from specdec.models.moe_kernels import ExpertBlocks, sort_into_blocks, tiles_for
 from specdec.models.packing import CheckpointViews, row_views
 
@@ -75,22 +76,27 @@ class MoE(CheckpointViews, nn.Module):
     Forward: route; sort the T * k pairs into per-expert blocks; the grouped GEMM over the blocks
     (the Triton kernels for CUDA tensors outside autograd, else the same blocks through torch.bmm,
     which has a backward); each token's k weighted outputs summed in fp32 in a fixed order (no
-    atomics: the same inputs give the same bits); plus the shared expert.
+    atomics: the same inputs give the same bits); plus the shared expert. Under tensor parallelism
+    a rank holds every expert's (and the shared expert's) slice of the intermediate: its output is
+    its part of the sum (the decoder layer all-reduces it); the router is every rank's.
     """
 
     _packed = ("experts_gate_up", "experts_down")
 
-    def __init__(self, cfg: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+    def __init__(self, cfg: DeepseekV3Config, parallel: Parallel = SINGLE, dtype: Optional[torch.dtype] = None,
+                 device: Any = None) -> None:
         super().__init__()
         fk = _factory(dtype, device)
-        experts, hidden, self.inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        experts, hidden = cfg.n_routed_experts, cfg.hidden_size
+        self.inter = parallel.shard(cfg.moe_intermediate_size, "moe_intermediate_size")[1]
         self.gate = Router(cfg, **fk)
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * self.inter, hidden, **fk))
         self.experts_down = nn.Parameter(torch.empty(experts, hidden, self.inter, **fk))
         for e in range(experts):  # each matrix as its own nn.Linear would be
             for w in (*self.experts_gate_up.data[e].split(self.inter), self.experts_down.data[e]):
                 nn.init.kaiming_uniform_(w, a=5 ** 0.5)
-        self.shared_experts = MLP(hidden, cfg.moe_intermediate_size * cfg.n_shared_experts, **fk)
+        shared = parallel.shard(cfg.moe_intermediate_size * cfg.n_shared_experts, "moe_intermediate_size * n_shared_experts")
+        self.shared_experts = MLP(hidden, shared[1], **fk)
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         views = {}
