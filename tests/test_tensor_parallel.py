@@ -77,9 +77,59 @@ def run_ranks(fn, size: int, *args) -> list:
 
 
 # ----------------------------------------------------------------------- what each rank runs
+class _CountingFile:
+    """A safetensors file that counts the bytes of every tensor (or slice) read from it."""
+
+    read = 0
+
+    def __init__(self, file):
+        self.file = file
+
+    def __enter__(self):
+        self.inner = self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_tensor(self, name):
+        return self._count(self.inner.get_tensor(name))
+
+    def get_slice(self, name):
+        return _CountingSlice(self.inner.get_slice(name))
+
+    @staticmethod
+    def _count(t):
+        _CountingFile.read += t.numel() * t.element_size()
+        return t
+
+
+class _CountingSlice:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __getitem__(self, index):
+        return _CountingFile._count(self.inner[index])
+
+
 def _load(parallel: Parallel, path: str):
-    target = load_deepseek(path, torch.float32, "cpu", parallel)
-    return target, load_mtp(path, torch.float32, "cpu", target=target)
+    """The rank's target and MTP layer, and the bytes of checkpoint tensors it read."""
+    import specdec.models.loader as loader
+
+    opener = loader.safe_open
+    loader.safe_open = lambda *args, **kwargs: _CountingFile(opener(*args, **kwargs))
+    try:
+        target = load_deepseek(path, torch.float32, "cpu", parallel)
+        mtp = load_mtp(path, torch.float32, "cpu", target=target)
+    finally:
+        loader.safe_open = opener
+    return target, mtp, _CountingFile.read
 
 
 def _decode(worker: EagleWorker, sampling: bool, abort_after: int) -> list[list[int]]:
@@ -102,9 +152,15 @@ def _decode(worker: EagleWorker, sampling: bool, abort_after: int) -> list[list[
 def rank_run(parallel: Parallel, path: str) -> dict:
     """Everything a rank reports: logits, greedy and sampled spec decoding per tree, the refused
     bad request, and the divergence check."""
-    target, mtp = _load(parallel, path)
-    out = {"logits": target_logits(target, sequences(VOCAB)), "param_bytes": sum(
-        p.numel() * p.element_size() for p in target.parameters())}
+    target, mtp, read = _load(parallel, path)
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    biases = [b for m in (target, mtp) for n, b in m.named_buffers() if "correction_bias" in n]
+    out = {"logits": target_logits(target, sequences(VOCAB)), "param_bytes": nbytes(target.parameters()),
+           "read_bytes": read,
+           # the rank's target and MTP layer (whose checkpoint copies of the embedding and head are read, compared to
+           # the target's slices and dropped: mtp.parameters() counts the shared ones once) and the routers' fp32 biases
+           "held_bytes": nbytes(target.parameters()) + nbytes(mtp.parameters()) + nbytes(biases),
+           "shares": mtp.embed_tokens is target.embed_tokens and mtp.shared_head.head is target.lm_head}
     for i, tree in enumerate(TREES):
         cfg = SpecConfig(**tree, max_batch_size=6, max_context_len=128, enable_sampling=True, check_ranks=True)
         worker = EagleWorker(target, mtp, cfg)
@@ -187,6 +243,14 @@ def test_a_bad_request_is_refused_alike_and_the_ranks_go_on(ranks, checkpoint):
 def test_the_rank_check_catches_ranks_that_diverge(ranks):
     _, results = ranks
     assert all("ranks accepted different tokens" in res["diverged"] for res in results)
+
+
+def test_each_rank_reads_only_its_slice(ranks):
+    """The loader reads each cut tensor's rank slice alone: what a rank read is what it holds, about 1/tp of the
+    model (plus the replicated latent KV projection and norms)."""
+    _, results = ranks
+    assert all(res["read_bytes"] == res["held_bytes"] for res in results), [(r["read_bytes"], r["held_bytes"]) for r in results]
+    assert all(res["shares"] for res in results)  # each rank found the MTP layer's copies equal to its target's slices
 
 
 def test_each_rank_holds_its_slice(ranks, checkpoint):

@@ -139,8 +139,9 @@ def _holds(file: str, name: str, tensor: torch.Tensor, parallel: Parallel, chunk
             return False
         offset = parallel.rank * tensor.shape[0] if _tp_dim(name, parallel) == 0 else 0
         rows = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
-        return all(torch.equal(header[offset + start:offset + start + rows].to(tensor.device, tensor.dtype),
-                               tensor[start:start + rows]) for start in range(0, tensor.shape[0], rows))
+        length = tensor.shape[0]
+        return all(torch.equal(header[offset + start:offset + min(start + rows, length)].to(tensor.device, tensor.dtype),
+                               tensor[start:start + rows]) for start in range(0, length, rows))
 
 
 def save_deepseek(model: DeepseekV3ForCausalLM, path: str, mtp: Optional[DeepseekMTP] = None) -> None:
