@@ -1,11 +1,15 @@
-"""The routed MoE (specdec/models/moe.py) and its grouped GEMM (specdec/models/moe_kernels.py).
+"""The routed MoE (specdec/models/moe.py) and its kernels (specdec/models/moe_kernels.py).
 
 Reference: a loop over tokens and their chosen experts in fp32, from the checkpoint's per-expert
 tensors (the state dict's names): weight * down_e(silu(gate_e x) * up_e x), plus the shared
 expert. Routings are forced (the router patched) to reach the layout's edge cases: ties, one
 expert for every token, experts nobody chose, one token, more pairs than a block, k = 1 and 8.
-CPU: the torch path (forward and backward) and the block layout; the Triton kernels under the
-interpreter. GPU (marked ``gpu``): the Triton path at a DeepSeek-like size, and CUDA-graph replay.
+The router's rule is checked by hand on ties; each kernel equals its torch counterpart (the
+router's choice and the layout exactly, on logits quantised so that scores tie exactly or differ
+by far more than an ulp). CPU: the torch path (forward and backward) and the block layout; the
+Triton kernels, and the whole Triton path, under the interpreter; their compile for sm_90.
+GPU (marked ``gpu``): the Triton path at a DeepSeek-like size, the kernels against the torch
+path on the GPU, and CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import torch.nn.functional as F
 from interpreted import run_interpreted
 from specdec.models import moe as moe_module
 from specdec.models.config import DeepseekV3Config
-from specdec.models.moe import MoE
-from specdec.models.moe_kernels import max_blocks, sort_into_blocks, tiles_for
+from specdec.models.moe import MoE, route
+from specdec.models.moe_kernels import LAYOUT_MAX_PAIRS, max_blocks, sort_into_blocks, tiles_for
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -162,6 +166,21 @@ def test_tied_scores_through_the_router():
         assert_matches(moe(x), reference(moe, x, weights, ids), torch.float32)
 
 
+@pytest.mark.parametrize("bias,want", [
+    ([0, 0, 0, 0, 0, 0, 0, 0], [0, 1]),  # every score ties: the first experts of the first groups
+    ([0, 0, 1, 1, 0, 0, 1, 1], [2, 3]),  # groups 1 and 3 tie for the lead
+    ([1, 1, 0, 0, 1, 1, 1, 1], [0, 1]),  # groups 0, 2 and 3 tie for two places: 0 and 2 kept
+    ([0, 0, 0, 1, 0, 0, 0, 1], [3, 7]),  # groups 1 and 3 kept, their best before the rest
+    ([0, 0, 0, 0, 0, 1, 0, 0], [5, 0]),  # the best expert, then the tie among the rest of the kept
+])
+def test_router_ties_go_to_the_lowest_index(bias, want):
+    """E = 8 in 4 groups of 2, 2 groups kept, k = 2; zero logits (sigmoid 0.5), so the bias decides."""
+    cfg = DeepseekV3Config(**SMALL)
+    weights, ids = route(torch.zeros(3, 8), torch.tensor(bias, dtype=torch.float32), cfg)
+    assert ids.tolist() == [want] * 3
+    torch.testing.assert_close(weights, torch.full((3, 2), cfg.routed_scaling_factor / 2))
+
+
 def test_empty_batch():
     moe = make_moe()
     with torch.no_grad():
@@ -224,6 +243,107 @@ def test_init_as_linear():
 
 
 # ------------------------------------------------------------------- Triton interpreter
+ROUTER_CONFIGS = [  # (experts, groups, groups kept, k, norm_topk_prob)
+    (8, 4, 2, 2, True), (16, 2, 2, 8, True), (64, 8, 4, 8, True), (256, 8, 4, 8, True), (24, 3, 2, 3, False)]
+
+
+def router_logits(kind: str, tokens: int, experts: int, groups: int, gen: torch.Generator) -> torch.Tensor:
+    """``[T, E]`` fp32 logits in multiples of 1/8, so scores tie exactly or differ by far more than
+    an ulp: "random"; "zero" (every score ties); "groups" (every group the same logits: all groups
+    tie); "pairs" (within each group the experts tie two by two)."""
+    logits = (torch.randn(tokens, experts, generator=gen) * 8).round() / 8
+    if kind == "zero":
+        return torch.zeros(tokens, experts)
+    if kind == "groups":
+        return logits[:, :experts // groups].repeat(1, groups)
+    if kind == "pairs":
+        return logits[:, ::2].repeat_interleave(2, dim=1)
+    return logits
+
+
+def test_router_kernel_under_triton_interpreter():
+    """triton_route equals route: ids exactly (the tie rule included), weights to fp32 rounding."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+import torch
+from specdec.models.config import DeepseekV3Config
+from specdec.models.moe import route
+from specdec.models.moe_kernels import triton_route
+from test_moe import ROUTER_CONFIGS, router_logits
+
+gen = torch.Generator().manual_seed(0)
+for experts, groups, kept, top_k, norm in ROUTER_CONFIGS:
+    cfg = DeepseekV3Config(n_routed_experts=experts, n_group=groups, topk_group=kept, num_experts_per_tok=top_k,
+                           norm_topk_prob=norm)
+    for kind in ("random", "zero", "groups", "pairs"):
+        for bias in (torch.zeros(experts), (torch.randn(experts, generator=gen) * 4).round() / 32):
+            if kind == "groups":  # the same bias in every group too
+                bias = bias[:experts // groups].repeat(groups)
+            logits = router_logits(kind, 5, experts, groups, gen)
+            want_weights, want_ids = route(logits, bias, cfg)
+            weights, ids = triton_route(logits, bias, cfg)
+            assert torch.equal(ids, want_ids), (experts, kind, ids, want_ids)
+            torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+weights, ids = triton_route(torch.zeros(0, 8), torch.zeros(8), DeepseekV3Config(n_routed_experts=8, n_group=4,
+                            topk_group=2, num_experts_per_tok=2))
+assert weights.shape == ids.shape == (0, 2)
+print("ok")
+""")
+
+
+LAYOUT_CASES = [  # (tokens, k, experts, block_m): P below, at and past a multiple of the kernel's
+    (2, 2, 3, 2), (1, 8, 64, 16), (5, 2, 8, 16), (40, 1, 8, 16), (8, 8, 16, 32),  # chunk and of block_m,
+    (64, 8, 16, 32), (300, 8, 256, 16), (3, 4, 4, 64), (7, 3, 12, 16), (0, 8, 256, 16),  # no pairs,
+    (1000, 8, 256, 16)]  # past LAYOUT_MAX_PAIRS (the kernel takes any P; MoE bounds it for speed)
+
+
+def test_layout_kernel_under_triton_interpreter():
+    """triton_sort_into_blocks equals sort_into_blocks tensor for tensor."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+import torch
+from specdec.models.moe_kernels import sort_into_blocks, triton_sort_into_blocks
+from test_moe import LAYOUT_CASES
+
+gen = torch.Generator().manual_seed(0)
+for tokens, top_k, experts, block_m in LAYOUT_CASES:
+    for kind in ("random", "one", "few"):
+        ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+        if kind == "one":
+            ids.fill_(experts - 1)
+        if kind == "few":  # most experts unused
+            ids = ids % 3 * (experts // 3)
+        want, got = sort_into_blocks(ids, experts, block_m), triton_sort_into_blocks(ids, experts, block_m)
+        for field in ("row_pair", "block_expert", "pair_row"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (tokens, top_k, experts, kind, field)
+        assert (got.block_m, got.num_experts, got.top_k) == (block_m, experts, top_k)
+print("ok")
+""")
+
+
+def test_combine_kernel_under_triton_interpreter():
+    """triton_combine: the k rows summed in order, in fp32 (exactly), cast, plus the shared output."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+import torch
+from specdec.models.moe_kernels import triton_combine
+
+gen = torch.Generator().manual_seed(0)
+for tokens, top_k, hidden in ((1, 8, 64), (5, 2, 1100), (3, 1, 72), (0, 8, 64)):
+    per_pair = torch.randn(tokens * top_k + 1, hidden, generator=gen)[1:].view(tokens, top_k, hidden)  # a view
+    routed = per_pair[:, 0].clone()
+    for j in range(1, top_k):
+        routed += per_pair[:, j]
+    shared = torch.randn(tokens, hidden, generator=gen)
+    assert torch.equal(triton_combine(per_pair, shared), routed + shared)
+    # bf16 within one step of it: the interpreter truncates fp32 to bf16 where a GPU rounds to nearest
+    got, want = triton_combine(per_pair, shared.bfloat16()), routed.bfloat16() + shared.bfloat16()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
+print("ok")
+""")
+
+
 def test_kernels_under_triton_interpreter():
     pytest.importorskip("triton")
     run_interpreted("""
@@ -255,13 +375,52 @@ print("ok")
 """)
 
 
+def test_triton_path_under_triton_interpreter():
+    """The whole MoE forward on its Triton path (the CUDA check patched; the torch router, layout
+    and grouped GEMM made to fail) against the per-token reference of the torch router's choice."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+import torch
+from specdec.models import moe as moe_module, ops
+from test_moe import assert_matches, make_moe, reference
+
+def torch_ran(*args, **kwargs):
+    raise AssertionError("the torch path ran")
+
+for dtype in (torch.float32, torch.bfloat16):
+    for tokens, overrides in ((1, {}), (6, {}), (40, dict(num_experts_per_tok=1)),
+                              (5, dict(n_routed_experts=16, num_experts_per_tok=8, n_group=2, topk_group=2))):
+        moe = make_moe(dtype, hidden_size=72, moe_intermediate_size=40, **overrides).eval()
+        with torch.no_grad():  # expert 0 is never chosen, and never read
+            moe.gate.e_score_correction_bias[0] = -10.0
+            moe.experts_gate_up[0].fill_(float("nan"))
+            moe.experts_down[0].fill_(float("nan"))
+        x = torch.randn(tokens, 72, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        with torch.no_grad():
+            weights, ids = moe.gate(x)
+            saved = (ops._on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch)
+            ops._on_triton = lambda *tensors: True
+            moe_module.route = moe_module.sort_into_blocks = moe_module.grouped_experts_torch = torch_ran
+            got_weights, got_ids = moe.gate(x)
+            got = moe(x)
+            ops._on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch = saved
+        assert torch.equal(got_ids, ids)
+        torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert_matches(got, reference(moe, x, weights, ids), dtype)
+print("ok")
+""")
+
+
 H200_SHARED_MEMORY = 232448  # bytes a block may use on SM90
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64"}
+KERNELS = ("_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel")
 
 
 def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter):
-    """The (kernel, args, constexprs and options) grouped_experts launches, for CPU stand-ins of
-    the inputs (weights broadcast from one row: only shapes, strides and dtypes reach the compile)."""
+    """The (kernel, args, constexprs and options) that MoE.forward's Triton path launches, for CPU
+    stand-ins of the inputs (weights broadcast from one row: only shapes, strides and dtypes reach
+    the compile); a prefill's layout is the torch ops', no launch."""
     from specdec.models import moe_kernels
 
     launches = []
@@ -273,14 +432,19 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter)
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
-    for name in ("_gate_up_kernel", "_down_kernel"):
+    for name in KERNELS:
         monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name)))
+    cfg = DeepseekV3Config(n_routed_experts=experts, n_group=8, topk_group=4, num_experts_per_tok=top_k)
+    moe_kernels.triton_route(torch.empty(tokens, experts), torch.empty(experts), cfg)
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(0))
     tiles = tiles_for(ids.numel(), experts, hidden, inter, dtype)
+    layout = (moe_kernels.triton_sort_into_blocks if ids.numel() <= moe_kernels.LAYOUT_MAX_PAIRS
+              else moe_kernels.sort_into_blocks)
     gate_up = torch.empty(1, 1, hidden, dtype=dtype).expand(experts, 2 * inter, hidden)
     down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, hidden, inter)
-    moe_kernels.grouped_experts(torch.empty(tokens, hidden, dtype=dtype), gate_up, down, torch.rand(tokens, top_k),
-                                sort_into_blocks(ids, experts, tiles.block_m), tiles)
+    per_pair = moe_kernels.grouped_experts(torch.empty(tokens, hidden, dtype=dtype), gate_up, down,
+                                           torch.rand(tokens, top_k), layout(ids, experts, tiles.block_m), tiles)
+    moe_kernels.triton_combine(per_pair.view(tokens, top_k, hidden), torch.empty(tokens, hidden, dtype=dtype))
     return launches
 
 
@@ -291,13 +455,16 @@ def compile_for_sm90(kernel, args, kwargs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages")}
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in kwargs:
             signature[name] = "constexpr"
             continue
         arg = args[i]
+        if isinstance(arg, float):
+            signature[name] = "fp32"
+            continue
         signature[name] = "*" + TRITON_TYPES[arg.dtype] if isinstance(arg, torch.Tensor) else "i32"
         if isinstance(arg, torch.Tensor) or arg % 16 == 0:
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -310,14 +477,17 @@ def compile_for_sm90(kernel, args, kwargs):
     (torch.float16, 3, 64, 256), (torch.float32, 3, 64, 256), (torch.float32, 256, 64, 256),
 ], ids=["bf16-decode", "bf16-2048-pairs", "bf16-prefill", "fp16-decode", "fp32-decode", "fp32-2048-pairs"])
 def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
-    """Without a GPU: the kernels grouped_experts launches (16, 32 and 64-row tiles) compile for
-    H200, their loads pipelined into shared memory that fits a block."""
+    """Without a GPU: the kernels MoE's Triton path launches compile for H200 (the grouped GEMM's
+    16, 32 and 64-row tiles with their loads pipelined into shared memory), each within a block's
+    shared memory."""
     pytest.importorskip("triton.backends.nvidia")
     launches = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter)
-    assert len(launches) == 2
-    for launch in launches:
+    names = [kernel.fn.__name__ for kernel, _, _ in launches]
+    assert names == [name for name in KERNELS if tokens * 8 <= LAYOUT_MAX_PAIRS or name != "_layout_kernel"]
+    for name, launch in zip(names, launches):
         compiled = compile_for_sm90(*launch)
-        assert "cp.async" in compiled.asm["ptx"]
+        if name in ("_gate_up_kernel", "_down_kernel"):
+            assert "cp.async" in compiled.asm["ptx"]
         assert compiled.metadata.shared <= H200_SHARED_MEMORY
 
 
@@ -335,7 +505,8 @@ def _no_torch_path(*args, **kwargs):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_triton_path_on_gpu(monkeypatch, dtype):
-    monkeypatch.setattr(moe_module, "grouped_experts_torch", _no_torch_path)
+    for name in ("route", "sort_into_blocks", "grouped_experts_torch"):
+        monkeypatch.setattr(moe_module, name, _no_torch_path)
     moe = make_moe(dtype, "cuda", **DEEPSEEK_LIKE).eval()
     gen = torch.Generator().manual_seed(0)
     for tokens in (1, 4, 64, 256):
@@ -344,6 +515,37 @@ def test_triton_path_on_gpu(monkeypatch, dtype):
             weights, ids = moe.gate(x)
             got = moe(x)
         assert_matches(got, reference(moe, x, weights, ids), dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_kernels_match_the_torch_path_on_gpu():
+    """On the GPU, each new kernel against the torch path's ops on the same CUDA inputs: the
+    router's choice and the layout exactly, the combine bit for bit (the GPU rounds as torch)."""
+    from specdec.models.moe_kernels import triton_combine, triton_route, triton_sort_into_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, groups, kept, top_k, norm in ROUTER_CONFIGS:
+        cfg = DeepseekV3Config(n_routed_experts=experts, n_group=groups, topk_group=kept, num_experts_per_tok=top_k,
+                               norm_topk_prob=norm)
+        for kind in ("random", "zero", "groups", "pairs"):
+            logits = router_logits(kind, 64, experts, groups, gen).cuda()
+            bias = torch.zeros(experts, device="cuda")
+            want_weights, want_ids = route(logits, bias, cfg)
+            weights, ids = triton_route(logits, bias, cfg)
+            assert torch.equal(ids, want_ids), (experts, kind)
+            torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)  # tl.exp: the GPU's ex2.approx
+    for tokens, top_k, experts, block_m in LAYOUT_CASES:
+        ids = torch.randint(0, experts, (tokens, top_k), generator=gen).cuda()
+        want, got = sort_into_blocks(ids, experts, block_m), triton_sort_into_blocks(ids, experts, block_m)
+        for field in ("row_pair", "block_expert", "pair_row"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (tokens, top_k, experts, field)
+    per_pair = torch.randn(64, 8, 7168, generator=gen).cuda()
+    shared = torch.randn(64, 7168, generator=gen).to("cuda", torch.bfloat16)
+    routed = per_pair[:, 0].clone()
+    for j in range(1, 8):
+        routed += per_pair[:, j]
+    assert torch.equal(triton_combine(per_pair, shared), routed.bfloat16() + shared)
 
 
 @pytest.mark.gpu

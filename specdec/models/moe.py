@@ -3,6 +3,9 @@
 A routed expert runs only on the tokens that chose it: the (token, expert) pairs are sorted into
 per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts run as one grouped
 GEMM over those blocks.
+
+A bf16 decode MoE layer's Triton path launches 11 kernels: the router's two fp32 casts and GEMM,
+its choice, the layout, the grouped GEMM's two, the combine, and the shared expert's three.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
-from specdec.models.moe_kernels import ExpertBlocks, sort_into_blocks, tiles_for
+from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, sort_into_blocks, tiles_for, triton_combine,
+                                        triton_route, triton_sort_into_blocks)
 from specdec.models.packing import CheckpointViews, row_views
 
 
@@ -50,20 +54,36 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64)."""
-        cfg = self.cfg
-        per_group = cfg.n_routed_experts // cfg.n_group
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        """x ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64): :func:`route` of
+        the fp32 logits, by moe_kernels.triton_route on the Triton path."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        choose = triton_route if ops._on_triton(x, self.weight) else route
+        return choose(logits, self.e_score_correction_bias, self.cfg)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The noaux_tc choice from the router's logits ``[T, E]`` fp32 and bias ``[E]`` fp32 ->
+    (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64, best first), in torch (autograd).
+
+    Ties go to the lowest index, for groups and for experts (torch.topk leaves their order
+    unspecified; the kernel must agree with this path exactly).
+    """
+    per_group = cfg.n_routed_experts // cfg.n_group
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, _top(group_scores, cfg.topk_group), True)
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = _top(choice, cfg.num_experts_per_tok)
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def _top(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest values, largest first, equal values lowest index first."""
+    return values.sort(dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 class MoE(CheckpointViews, nn.Module):
@@ -111,14 +131,16 @@ class MoE(CheckpointViews, nn.Module):
         weights, ids = self.gate(x)  # [T, k] each
         num_experts, _, hidden = self.experts_gate_up.shape
         tiles = tiles_for(ids.numel(), num_experts, hidden, self.inter, x.dtype)
-        blocks = sort_into_blocks(ids, num_experts, tiles.block_m)
-        if ops._on_triton(x, weights, self.experts_gate_up, self.experts_down):
-            per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
-                                                   blocks, tiles)
-        else:
+        if not ops._on_triton(x, weights, self.experts_gate_up, self.experts_down):
+            blocks = sort_into_blocks(ids, num_experts, tiles.block_m)
             per_pair = grouped_experts_torch(x, self.experts_gate_up, self.experts_down, weights, blocks)
-        routed = per_pair.view(*ids.shape, hidden).sum(1)  # [T, k, D] -> [T, D], fp32
-        return routed.to(x.dtype) + self.shared_experts(x)
+            routed = per_pair.view(*ids.shape, hidden).sum(1)  # [T, k, D] -> [T, D], fp32
+            return routed.to(x.dtype) + self.shared_experts(x)
+        layout = triton_sort_into_blocks if ids.numel() <= LAYOUT_MAX_PAIRS else sort_into_blocks
+        blocks = layout(ids, num_experts, tiles.block_m)
+        per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
+                                               blocks, tiles)
+        return triton_combine(per_pair.view(*ids.shape, hidden), self.shared_experts(x))
 
 
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

@@ -1,15 +1,20 @@
-"""The routed experts as a grouped GEMM over (token, expert) pairs sorted into per-expert blocks.
+"""The routed experts' kernels: the router's choice, the block layout, a grouped GEMM, the combine.
 
 A token's k routing choices are k pairs; pair ``p = t * k + j`` is token t's j-th choice. The pairs
 are sorted by expert (stable) and laid out in blocks of ``block_m`` rows, each block one expert's,
 the last block of an expert padded (:func:`sort_into_blocks`). Both paths of ``MoE`` compute over
 this layout: the Triton kernels here on a GPU, ``torch.bmm`` in specdec/models/moe.py elsewhere.
 
-Kernel 1 gathers a block's token rows of x and multiplies them by its expert's gate and up rows,
-silu(gate) * up in the epilogue, into ``h`` (a row per block row); kernel 2 multiplies h by the
-expert's down projection, scales by the routing weight and writes each pair's output at row p of
-``[P, D]`` fp32, so the sum over a token's k pairs (in moe.py) has a fixed order. The launch grid
-is ``(max_blocks, N tiles)``, a function of host-side sizes only; a program whose block is past
+After the router's GEMM, a decode step's routed experts are five launches, each one kernel where
+torch takes many small ops: :func:`triton_route` (a program per token picks its experts from the
+router's logits), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
+kernels of :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in order, plus
+the shared expert's). Kernel 1 gathers a block's token rows of x and multiplies them by its
+expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row per block row);
+kernel 2 multiplies h by the expert's down projection, scales by the routing weight and writes
+each pair's output at row p of ``[P, D]`` fp32, so the sum over a token's k pairs has a fixed
+order (no atomics: the same inputs give the same bits). The GEMMs' launch grid is
+``(max_blocks, N tiles)``, a function of host-side sizes only; a program whose block is past
 those in use returns before reading any weight, so a decode step reads only the chosen experts'
 weights. Nothing reads a device value on the host: the layout and the launches capture in a CUDA
 graph. Temporaries are O(E) (counts), ``[rows, I]`` (h) and ``[P, D]``; none is ``[E, T, ...]``.
@@ -23,6 +28,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+from specdec.models.config import DeepseekV3Config
 
 try:
     import triton
@@ -139,7 +146,147 @@ def sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     return ExpertBlocks(row_pair, block_expert, pair_row, block_m, num_experts, top_k)
 
 
-# ---------------------------------------------------------------------------- kernels
+LAYOUT_MAX_PAIRS = 4096  # the most pairs MoE lays out by the kernel: 64 chunks, run one after another
+LAYOUT_CHUNK = 64  # pairs the layout kernel places at a time
+
+
+def triton_sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """sort_into_blocks by one kernel of one program (any device Triton runs on, its interpreter
+    included): the same ExpertBlocks, tensor for tensor.
+
+    ids ``[T, k]`` int64 in [0, E). A counting sort: count each expert's pairs, lay out its blocks,
+    then place the pairs in order, LAYOUT_CHUNK at a time, each after its expert's pairs before it
+    (the stable order). Its chunks run one after another, so moe.MoE takes it for a decode step's
+    pairs (up to LAYOUT_MAX_PAIRS) and the torch ops for a prefill's, whose GEMMs dwarf them.
+    """
+    top_k = ids.shape[-1]
+    flat = ids.reshape(-1)
+    pairs, device = flat.numel(), flat.device
+    if flat.dtype != torch.int64:
+        raise TypeError(f"expert ids must be int64, not {ids.dtype}")
+    num_blocks = max_blocks(pairs, num_experts, block_m)
+    row_pair = torch.empty(num_blocks * block_m, dtype=torch.int64, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int64, device=device)
+    pair_row = torch.empty(pairs, dtype=torch.int64, device=device)
+    if pairs:
+        _layout_kernel[(1,)](flat, row_pair, block_expert, pair_row, pairs, num_experts, num_blocks,
+                             BLOCK_M=block_m, CHUNK=LAYOUT_CHUNK, E_BLOCK=max(32, _pow2(num_experts)),
+                             NB_BLOCK=max(32, _pow2(num_blocks)),
+                             ROWS_BLOCK=min(1024, max(32, _pow2(row_pair.numel()))))
+    return ExpertBlocks(row_pair, block_expert, pair_row, block_m, num_experts, top_k)
+
+
+@_jit
+def _layout_kernel(ids_ptr, row_pair_ptr, block_expert_ptr, pair_row_ptr, P, E, NUM_BLOCKS,
+                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr,
+                   ROWS_BLOCK: tl.constexpr):
+    """The comments show sort_into_blocks' example: E = 3, block_m = 2, ids [2, 0, 2, 2]."""
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for c0 in range(0, P, CHUNK):
+        pair = c0 + lane
+        counts += tl.histogram(tl.load(ids_ptr + pair, mask=pair < P, other=0).to(tl.int32), E_BLOCK, mask=pair < P)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [1, 0, 2]  (counts [1, 0, 3])
+    block_end = tl.cumsum(blocks, 0)  # [1, 1, 3]
+    first_row = (block_end - blocks) * BLOCK_M  # [0, 2, 2]
+    next_row = first_row  # each expert's row for its next pair
+    for c0 in range(0, P, CHUNK):
+        pair = c0 + lane
+        real = pair < P  # the chunk's real lanes lead, so padding lanes precede none of them
+        expert = tl.load(ids_ptr + pair, mask=real, other=0).to(tl.int32)
+        before = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])  # [CHUNK, CHUNK]
+        row = tl.gather(next_row, expert, 0) + tl.sum(before.to(tl.int32), axis=1)  # [0, 2, 3, 4]
+        tl.store(row_pair_ptr + row, pair.to(tl.int64), mask=real)
+        tl.store(pair_row_ptr + pair, row.to(tl.int64), mask=real)
+        next_row += tl.histogram(expert, E_BLOCK, mask=real)
+    # A block's expert: how many experts' blocks end at or before it ([0, 2, 2, 3]: block 3 unused).
+    experts = tl.arange(0, E_BLOCK)
+    block_expert = tl.cumsum(tl.histogram(block_end, NB_BLOCK, mask=(experts < E) & (block_end < NB_BLOCK)), 0)
+    block = tl.arange(0, NB_BLOCK)
+    tl.store(block_expert_ptr + block, block_expert.to(tl.int64), mask=block < NUM_BLOCKS)
+    # Padding rows, past an expert's pairs or in an unused block, hold P: rows no pair's store wrote.
+    for r0 in range(0, NUM_BLOCKS * BLOCK_M, ROWS_BLOCK):
+        row = r0 + tl.arange(0, ROWS_BLOCK)
+        row_expert = tl.gather(block_expert, tl.minimum(row // BLOCK_M, NB_BLOCK - 1), 0)
+        end = tl.gather(next_row, tl.minimum(row_expert, E_BLOCK - 1), 0)  # past the expert's pairs: [1, 2, 5]
+        pad = (row < NUM_BLOCKS * BLOCK_M) & ((row_expert >= E) | (row >= end))
+        tl.store(row_pair_ptr + row, tl.zeros([ROWS_BLOCK], dtype=tl.int64) + P, mask=pad)
+
+
+# ----------------------------------------------------------------------------- router
+def triton_route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route by one kernel, a program per token, its E scores in registers (any device Triton
+    runs on, its interpreter included).
+
+    logits ``[T, E]`` fp32 (unit stride in E), bias ``[E]`` fp32 -> (weights ``[T, k]`` fp32, ids
+    ``[T, k]`` int64). route's rule, ties to the lowest index included: on equal scores the ids
+    are route's; the weights equal route's to fp32 rounding (the kernel's sigmoid and sums are its
+    own, so a near-tie within a few ulps may go either way, as between torch's CPU and CUDA).
+    """
+    tokens, experts = logits.shape
+    groups, top_k = cfg.n_group, cfg.num_experts_per_tok
+    per_group = experts // groups
+    if (logits.dtype != torch.float32 or bias.dtype != torch.float32 or tuple(bias.shape) != (experts,)
+            or logits.stride(1) != 1 or experts % groups or per_group < 2 or top_k > cfg.topk_group * per_group):
+        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)} {bias.dtype}, "
+                         f"{groups} groups, {cfg.topk_group} kept, top {top_k}: expected fp32 logits [T, E] of "
+                         "unit stride in E, an fp32 bias [E], groups of at least 2 dividing E, and k experts "
+                         "within the kept groups")
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, bias, weights, ids, logits.stride(0), float(cfg.routed_scaling_factor),
+                                 GROUPS=groups, PER_GROUP=per_group, TOPK_GROUP=cfg.topk_group, TOP_K=top_k,
+                                 NORMALISE=bool(cfg.norm_topk_prob), G_BLOCK=_pow2(groups),
+                                 PG_BLOCK=_pow2(per_group), K_BLOCK=_pow2(top_k), num_warps=1)
+    return weights, ids
+
+
+@_jit
+def _first_max(values, index, NONE: tl.constexpr):
+    """The lowest index among those of the largest value: a stable descending sort's first."""
+    return tl.min(tl.where(values == tl.max(values, axis=0), index, NONE), axis=0)
+
+
+@_jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits, scale,
+                  GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                  NORMALISE: tl.constexpr, G_BLOCK: tl.constexpr, PG_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+    """Token t's route; its experts as a [group, member] tile, padding lanes at -inf."""
+    t = tl.program_id(0)
+    group, member = tl.arange(0, G_BLOCK), tl.arange(0, PG_BLOCK)
+    real = (group < GROUPS)[:, None] & (member < PER_GROUP)[None, :]
+    expert = tl.where(real, group[:, None] * PER_GROUP + member[None, :], GROUPS * PER_GROUP)
+    score = tl.sigmoid(tl.load(logits_ptr + t.to(tl.int64) * stride_logits + expert, mask=real, other=0.0))
+    choice = tl.where(real, score + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf"))
+    # A group's score: its two best choices, as topk(2).values.sum() (a tie for the best is both).
+    best = tl.max(choice, axis=1)
+    first = tl.min(tl.where(choice == best[:, None], member[None, :], PG_BLOCK), axis=1)
+    second = tl.max(tl.where(member[None, :] == first[:, None], float("-inf"), choice), axis=1)
+    group_score = tl.where(group < GROUPS, best + second, float("-inf"))
+    kept = group < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        pick = _first_max(group_score, group, G_BLOCK)
+        kept = kept | (group == pick)
+        group_score = tl.where(group == pick, float("-inf"), group_score)
+    choice = tl.reshape(tl.where(kept[:, None], choice, float("-inf")), [G_BLOCK * PG_BLOCK])
+    expert, score = tl.reshape(expert, [G_BLOCK * PG_BLOCK]), tl.reshape(score, [G_BLOCK * PG_BLOCK])
+    slot = tl.arange(0, K_BLOCK)
+    weights = tl.zeros([K_BLOCK], dtype=tl.float32)
+    ids = tl.zeros([K_BLOCK], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # the best choice left, each time
+        pick = _first_max(choice, expert, GROUPS * PER_GROUP)
+        weights = tl.where(slot == j, tl.sum(tl.where(expert == pick, score, 0.0), axis=0), weights)
+        ids = tl.where(slot == j, pick, ids)
+        choice = tl.where(expert == pick, float("-inf"), choice)
+    if NORMALISE:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    out = t * TOP_K + slot
+    tl.store(weights_ptr + out, weights * scale, mask=slot < TOP_K)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < TOP_K)
+
+
+# ----------------------------------------------------------------------- grouped GEMM
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                     blocks: ExpertBlocks, tiles: Tiles) -> torch.Tensor:
     """Each pair's weighted expert output, ``[P, D]`` fp32 (row p: pair p), by the two kernels.
@@ -239,3 +386,40 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, row_pair_ptr, block_expert_p
         acc = tl.dot(a, tl.load(w + k0, mask=k_in[:, None] & n_in[None, :], other=0.0), acc, input_precision=PRECISION)
     acc = acc * tl.load(weight_ptr + pair, mask=real, other=0.0)[:, None]
     tl.store(out_ptr + pair[:, None] * stride_out + offs_n[None, :], acc, mask=real[:, None] & n_in[None, :])
+
+
+# ---------------------------------------------------------------------------- combine
+def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Each token's routed output plus the shared expert's, by one kernel (any device Triton runs
+    on, its interpreter included).
+
+    per_pair ``[T, k, D]`` fp32 (grouped_experts' output viewed per token), shared ``[T, D]`` in the
+    model's dtype, both of unit stride in D -> ``[T, D]`` in shared's dtype: the k rows summed in
+    order in fp32 (the same bits for the same inputs), rounded to the dtype, then plus shared and
+    rounded again, as torch's ``routed.to(dtype) + shared``.
+    """
+    tokens, top_k, hidden = per_pair.shape
+    if (per_pair.dtype != torch.float32 or tuple(shared.shape) != (tokens, hidden) or per_pair.stride(2) != 1
+            or shared.stride(1) != 1):
+        raise ValueError(f"per_pair {tuple(per_pair.shape)} {per_pair.dtype}, shared {tuple(shared.shape)}: "
+                         "expected fp32 [T, k, D] and [T, D], unit stride in D")
+    out = torch.empty(tokens, hidden, dtype=shared.dtype, device=shared.device)
+    if tokens:
+        block = min(1024, _pow2(hidden))
+        _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+            per_pair, shared, out, hidden, per_pair.stride(0), per_pair.stride(1), shared.stride(0),
+            TOP_K=top_k, BLOCK=block)
+    return out
+
+
+@_jit
+def _combine_kernel(pair_ptr, shared_ptr, out_ptr, D, stride_token, stride_choice, stride_shared,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    t, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    routed = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        routed += tl.load(pair_ptr + t * stride_token + j * stride_choice + cols, mask=mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    shared = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, (routed.to(dtype).to(tl.float32) + shared).to(dtype), mask=mask)
