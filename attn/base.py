@@ -76,6 +76,9 @@ class KVCacheView:
         of each position of each request; positions of a request lie in its pages in order, so
         ``req_to_token[r, ::page_size] // page_size`` is its block table.
     kv_scale: per-tensor dequantisation scale of an fp8 cache (1.0 otherwise).
+    index_buffers: sparse models (DeepSeek-V3.2) only: the indexer's keys, one contiguous
+        ``[num_pages, page_size, index_head_dim]`` tensor per layer; empty for dense models. They sit
+        beside kv_buffers in the same pool and slots, so a request's pages, trims and frees cover both.
     Entries past a request's length must still be slots of the pool, and slots no request has
     written must hold finite values (zeros, or a freed request's kv): PagedMLABackend's chunked
     prefill of a request shorter than a chunk (up to 8 positions) reads those rows under the
@@ -86,6 +89,7 @@ class KVCacheView:
     req_to_token: torch.Tensor
     page_size: int
     kv_scale: float = 1.0
+    index_buffers: Sequence[torch.Tensor] = ()
 
     def __post_init__(self) -> None:
         # Backends write a pass's rows through a [num_pages * page_size, 576] view of each buffer:
@@ -95,6 +99,15 @@ class KVCacheView:
             if buf.dim() != 3 or tuple(buf.shape[1:]) != (self.page_size, KV_DIM) or not buf.is_contiguous():
                 raise ValueError(f"KVCacheView: layer {layer}'s kv buffer must be a contiguous [num_pages, "
                                  f"{self.page_size}, {KV_DIM}] tensor, got shape {tuple(buf.shape)} strides {buf.stride()}")
+        pages = self.kv_buffers[0].shape[0] if self.kv_buffers else None
+        if self.index_buffers and len(self.index_buffers) != len(self.kv_buffers):
+            raise ValueError(f"KVCacheView: {len(self.index_buffers)} index buffers for {len(self.kv_buffers)} kv "
+                             "layers; give one a layer, or none")
+        for layer, buf in enumerate(self.index_buffers):
+            if buf.dim() != 3 or tuple(buf.shape[:2]) != (pages, self.page_size) or not buf.is_contiguous():
+                raise ValueError(f"KVCacheView: layer {layer}'s index buffer must be a contiguous [{pages}, "
+                                 f"{self.page_size}, index_head_dim] tensor (the kv pool's pages), got shape "
+                                 f"{tuple(buf.shape)} strides {buf.stride()}")
         # Checked here, not first by a kernel: that runs after the pass's cache write.
         if not is_kv_scale(self.kv_scale):
             raise ValueError(f"KVCacheView: kv_scale must be a finite positive float in [2**-64, 2**64], "
@@ -178,6 +191,8 @@ class AttentionBackend(Protocol):
     kernel_family: str  # the workspace it shares (attn.workspace): one buffer per family and device
     needs_cpu_seq_lens: bool  # True: plans from host kv lengths (eager: a sync per pass); False: sync-free
     supports_tree_mask: bool  # attends with a custom (topk > 1) tree mask
+    supports_sparse: bool  # runs index_topk and forward_sparse (DeepSeek-V3.2 sparse attention)
+    max_index_topk: Optional[int]  # rows a query token its sparse call takes at most; None: any
     supports_cuda_graph: bool  # its passes can be captured (graphs.runner refuses it otherwise)
     supports_prefill: bool  # runs EXTEND passes (variable query lengths, causal)
     supports_draft_extend: bool  # runs DRAFT_EXTEND passes (num_steps + 1 query tokens a request)
@@ -219,6 +234,28 @@ class AttentionBackend(Protocol):
 
         q: ``[T, H, 576]``; returns ``[T, H, 512]`` in q's dtype.
         """
+
+    def index_topk(self, q: torch.Tensor, weights: torch.Tensor, k_new: torch.Tensor, layer_id: int,
+                   batch: AttnBatch, topk: int) -> torch.Tensor:
+        """The lightning indexer (DeepSeek-V3.2): write ``k_new`` ``[T, D]`` into the layer's index
+        buffer at ``batch.out_cache_loc``, then select each query token's ``topk`` rows.
+
+        q: ``[T, index_heads, D]``; weights: ``[T, index_heads]`` fp32 (softmax scale folded in).
+        A row's score is ``sum_h weights[t, h] * relu(q[t, h] . k[row])`` over the rows token t sees:
+        causal, or batch.custom_mask's visibility (a tree token: the prefix and its ancestors), as in
+        forward. Returns ``[T, topk]`` int32 cache slots (page * page_size + offset), best first, -1
+        past the rows the token sees.
+        """
+
+    def check_sparse(self, topk: int, index_head_dim: Optional[int], layer_id: int = 0) -> None:
+        """ValueError naming the setting to change unless this backend and its pool run sparse passes
+        of ``topk`` rows a token (max_index_topk) over indexer keys ``index_head_dim`` wide in every
+        layer (None: unchecked); index_topk and forward_sparse call it, a model before its first layer."""
+
+    def forward_sparse(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """forward's contract, attending only over ``slots`` ``[T, K]`` int32 (index_topk's; -1: none)
+        instead of every visible row: the slots decide visibility, batch.custom_mask is not read."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static metadata buffers graphs capture against (largest sizes). From then

@@ -64,6 +64,8 @@ class PagedMLABackend:
     kernel_family = "reference"  # which workspace the family owns (attn.workspace)
     needs_cpu_seq_lens = False
     supports_tree_mask = False
+    supports_sparse = False
+    max_index_topk: Optional[int] = None
     supports_cuda_graph = True
     supports_prefill = True
     supports_draft_extend = True  # uniform num_steps + 1 query tokens per request
@@ -232,9 +234,67 @@ class PagedMLABackend:
             return out.reshape(q.shape[0], q.shape[1], KV_LORA_RANK)
         return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
 
-    def _check_pass(self, q: torch.Tensor, kv_new: torch.Tensor, batch: AttnBatch, direct: bool) -> None:
+    # ------------------------------------------------------------ sparse (DSA)
+    def index_topk(self, q: torch.Tensor, weights: torch.Tensor, k_new: torch.Tensor, layer_id: int,
+                   batch: AttnBatch, topk: int) -> torch.Tensor:
+        self.check_sparse(topk, k_new.shape[-1], layer_id)
+        self._check_pass(q, k_new, batch, True, heads=q.shape[1] if q.dim() == 3 else -1, width=k_new.shape[-1])
+        if tuple(weights.shape) != tuple(q.shape[:2]) or weights.dtype != torch.float32:
+            raise ValueError(f"{self.name}: index_topk's weights must be [{q.shape[0]}, {q.shape[1]}] fp32 (q's tokens "
+                             f"and heads), got {tuple(weights.shape)} {weights.dtype}")
+        cache = self.kv.index_buffers[layer_id]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, batch.out_cache_loc, k_new.to(cache.dtype))
+        md = self.metadata
+        return self._run_index_kernel(q, weights, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
+                                      batch.max_q_len, topk, batch.custom_mask)
+
+    def forward_sparse(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch,
+                       slots: torch.Tensor) -> torch.Tensor:
+        self.check_sparse(slots.shape[-1], None, layer_id)
+        self._check_pass(q, kv_new, batch, True)
+        if slots.dim() != 2 or slots.shape[0] != q.shape[0] or slots.dtype != torch.int32:
+            raise ValueError(f"{self.name}: slots must be [{q.shape[0]}, topk] int32, got {tuple(slots.shape)} {slots.dtype}")
+        cache = self.kv.kv_buffers[layer_id]
+        self._write_kv(cache, kv_new, batch.out_cache_loc)
+        return self._run_sparse_kernel(q, cache, slots)
+
+    def check_sparse(self, topk: int, index_head_dim: Optional[int], layer_id: int = 0) -> None:
+        """ValueError naming the setting to change unless this backend and its pool can run a sparse
+        pass selecting ``topk`` rows a token with indexer keys ``index_head_dim`` wide (None: unchecked)."""
+        if not self.supports_sparse:
+            raise ValueError(f"{self.name} has no sparse attention (supports_sparse=False), which DeepSeek-V3.2's "
+                             "index_topk needs; pick a sparse attention backend (torch_ref)")
+        if not is_int(topk) or topk < 1 or (self.max_index_topk is not None and topk > self.max_index_topk):
+            bound = f"in [1, {self.max_index_topk}]" if self.max_index_topk is not None else "an int >= 1"
+            raise ValueError(f"{self.name}: index_topk must be {bound} (the rows its sparse kernel takes a token), "
+                             f"got {topk!r}")
+        if not 0 <= layer_id < len(self.kv.kv_buffers):
+            raise ValueError(f"{self.name}: layer_id must lie in [0, {len(self.kv.kv_buffers)}), got {layer_id!r}")
+        if index_head_dim is not None and (len(self.kv.index_buffers) != len(self.kv.kv_buffers)
+                                           or self.kv.index_buffers[layer_id].shape[-1] != index_head_dim):
+            held = [tuple(b.shape[2:]) for b in self.kv.index_buffers[:1]]
+            raise ValueError(f"{self.name}: the KV pool holds no indexer keys of index_head_dim={index_head_dim} for "
+                             f"each of its {len(self.kv.kv_buffers)} layers (index buffers: {len(self.kv.index_buffers)}, "
+                             f"widths {held}); build it with index_head_dim={index_head_dim} (MLAKVPool)")
+
+    def _run_index_kernel(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          max_q_len: int, topk: int, custom_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The indexer's kernel: q ``[T, Hi, D]``, weights ``[T, Hi]`` fp32, index_cache
+        ``[num_pages, page_size, D]``; the rest as _run_ragged_kernel's. Returns ``[T, topk]`` int32
+        slots (index_topk's contract)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no indexer kernel")
+
+    def _run_sparse_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """q ``[T, H, 576]`` over the rows ``slots`` ``[T, K]`` int32 (-1: none) of kv_cache ``[num_pages,
+        page_size, 576]`` -> ``[T, H, 512]`` in q's dtype (0 for a token with no row)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no sparse kernel")
+
+    def _check_pass(self, q: torch.Tensor, kv_new: torch.Tensor, batch: AttnBatch, direct: bool,
+                    heads: Optional[int] = None, width: int = KV_DIM) -> None:
         """What forward can check on the host, all before its cache write, so that a refused pass
-        leaves the cache as it was (direct: the pass goes to the decode kernel in one call). The
+        leaves the cache as it was (direct: the pass goes to the decode kernel in one call; heads x
+        width: q's, the layer's heads x 576 unless given, kv_new's width too: index_topk's). The
         device metadata (cu_seqlens_q[-1] == the token count, q_lens <= max_q_len) is not checked:
         that would sync."""
         if self.metadata is None:
@@ -242,16 +302,16 @@ class PagedMLABackend:
         if self.metadata.seq_lens.shape[0] != batch.batch_size:
             raise ValueError(f"{self.name}: the metadata was built for a batch of {self.metadata.seq_lens.shape[0]} "
                              f"requests, this pass has {batch.batch_size}; call init_forward_metadata with its batch")
-        heads, tokens = self.layer.num_heads, batch.num_tokens
+        heads, tokens = heads or self.layer.num_heads, batch.num_tokens
         if not is_int(batch.max_q_len) or batch.max_q_len < min(tokens, 1):
             raise ValueError(f"{self.name}: max_q_len must be an int >= 1 (0 for no tokens), got {batch.max_q_len!r}")
-        if q.dim() != 3 or tuple(q.shape[1:]) != (heads, KV_DIM):
-            raise ValueError(f"{self.name}: q must be [tokens, {heads}, {KV_DIM}], got {tuple(q.shape)}")
+        if q.dim() != 3 or tuple(q.shape[1:]) != (heads, width):
+            raise ValueError(f"{self.name}: q must be [tokens, {heads}, {width}], got {tuple(q.shape)}")
         if q.stride(2) != 1:
             raise ValueError(f"{self.name}: q's last dim must be contiguous, got strides {q.stride()}")
-        if q.shape[0] != tokens or tuple(kv_new.shape) != (tokens, KV_DIM):
+        if q.shape[0] != tokens or tuple(kv_new.shape) != (tokens, width):
             raise ValueError(f"{self.name}: a pass of {tokens} new tokens (out_cache_loc) needs {tokens} query rows "
-                             f"and kv rows [{tokens}, {KV_DIM}], got {q.shape[0]} and {tuple(kv_new.shape)}")
+                             f"and kv rows [{tokens}, {width}], got {q.shape[0]} and {tuple(kv_new.shape)}")
         mode = batch.mode
         if (mode is ForwardMode.EXTEND and not self.supports_prefill) or (
                 mode is ForwardMode.DRAFT_EXTEND and not self.supports_draft_extend):

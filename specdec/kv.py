@@ -35,6 +35,8 @@ class MLAKVPool:
     """KV storage for ``num_layers`` MLA layers and the request -> slot map.
 
     kv_buffers[layer]: ``[num_pages, page_size, 576]`` of ``dtype``.
+    index_buffers[layer]: ``[num_pages, page_size, index_head_dim]`` of ``index_dtype`` (default
+    ``dtype``), a sparse model's indexer keys (KVCacheView.index_buffers); none when index_head_dim is 0.
     req_to_token: ``[max_requests + 1, max_context_len]`` int32 (max_context_len a multiple of
     page_size); row 0 is the padding row.
     """
@@ -49,6 +51,8 @@ class MLAKVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         kv_scale: float = 1.0,
+        index_head_dim: int = 0,
+        index_dtype: torch.dtype | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is the padding sink), got {num_pages}")
@@ -62,6 +66,8 @@ class MLAKVPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.kv_buffers = [torch.zeros(num_pages, page_size, KV_DIM, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.index_buffers = [torch.zeros(num_pages, page_size, index_head_dim, dtype=index_dtype or dtype, device=self.device)
+                              for _ in range(num_layers if index_head_dim else 0)]
         self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int32, device=self.device)
         self.kv_scale = kv_scale
         self.capacity = np.zeros(max_requests + 1, dtype=np.int64)  # tokens each row's pages hold: a vectorised per-step check
@@ -90,7 +96,7 @@ class MLAKVPool:
 
     def view(self) -> KVCacheView:
         """What attention backends see of this pool."""
-        return KVCacheView(self.kv_buffers, self.req_to_token, self.page_size, self.kv_scale)
+        return KVCacheView(self.kv_buffers, self.req_to_token, self.page_size, self.kv_scale, self.index_buffers)
 
     @property
     def num_free_pages(self) -> int:

@@ -39,10 +39,11 @@ Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TorchRefBackend, Attn
 
 
 # ------------------------------------------------------------------------------------ helpers
-def run_paged(step: Step, num_layers: int, spec, seqs: list[list[int]]) -> list[torch.Tensor]:
+def run_paged(step: Step, num_layers: int, spec, seqs: list[list[int]], **pool_options) -> list[torch.Tensor]:
     """Outputs ``[len(seq), X]`` per sequence: one EXTEND over PREFILL tokens of every sequence,
-    then DECODE_STEPS batched one-token steps."""
-    pool = MLAKVPool(num_layers, num_pages=16, page_size=PAGE, max_requests=4, max_context_len=32, dtype=torch.float32)
+    then DECODE_STEPS batched one-token steps. pool_options: MLAKVPool's (index_head_dim)."""
+    pool = MLAKVPool(num_layers, num_pages=16, page_size=PAGE, max_requests=4, max_context_len=32, dtype=torch.float32,
+                     **pool_options)
     rows = [pool.alloc_request() for _ in seqs]
     backend = TorchRefBackend(pool.view(), spec, max_batch_size=8, max_q_len=8)
     for row, seq in zip(rows, seqs):
@@ -71,8 +72,18 @@ def run_paged(step: Step, num_layers: int, spec, seqs: list[list[int]]) -> list[
 
 
 def target_logits(model: DeepseekV3ForCausalLM, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """run_paged of the model's logits, over a pool with the indexer keys a sparse (V3.2) model needs."""
     return run_paged(lambda ids, pos, req, backend, batch: model.compute_logits(model(ids, pos, backend, batch)),
-                     model.num_attention_layers, model.attn_spec(), seqs)
+                     model.num_attention_layers, model.attn_spec(), seqs,
+                     index_head_dim=getattr(model, "index_head_dim", 0))
+
+
+def assert_matches_reference(ref: torch.nn.Module, seqs: list[list[int]], got: list[torch.Tensor]) -> None:
+    """Each sequence's logits ``got`` equal transformers' ``ref`` over the whole sequence at once."""
+    for seq, logits in zip(seqs, got):
+        with torch.no_grad():
+            expected = ref(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def sequences(vocab: int, seed: int = 1) -> list[list[int]]:
@@ -133,11 +144,7 @@ def test_logits_match_transformers(tmp_path, variant):
     routed_inputs = []
     ours.model.layers[1].mlp.gate.register_forward_hook(lambda mod, args, out: routed_inputs.append(args[0]))
     seqs = sequences(TINY["vocab_size"])
-    got = target_logits(ours, seqs)
-    for seq, logits in zip(seqs, got):
-        with torch.no_grad():
-            expected = ref(torch.tensor([seq])).logits[0]
-        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert_matches_reference(ref, seqs, target_logits(ours, seqs))
 
     # The grouped top-k (with the correction bias) chose differently from a plain top-k somewhere.
     gate = ours.model.layers[1].mlp.gate

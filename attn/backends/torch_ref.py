@@ -1,9 +1,10 @@
-"""The plain-torch backend and its attention function: the reference every kernel is tested against.
+"""The plain-torch backend and its attention functions: the references every kernel is tested against.
 
 :func:`paged_mla_reference` has the contract of
 :func:`attn.kernels.triton_mla.kernel.mla_paged_attention`, vectorised over the batch (no host
-sync, no data-dependent shapes), so it also runs inside CUDA graphs. :class:`TorchRefBackend`
-runs it in fp32 over any cache dtype. Runs anywhere.
+sync, no data-dependent shapes), so it also runs inside CUDA graphs; :func:`indexer_topk_reference`
+and :func:`sparse_mla_reference` are DeepSeek-V3.2's sparse passes (``index_topk``,
+``forward_sparse``), alike. :class:`TorchRefBackend` runs them in fp32 over any cache dtype. Runs anywhere.
 """
 
 from __future__ import annotations
@@ -12,10 +13,27 @@ from typing import Optional
 
 import torch
 
+import torch.nn.functional as F
+
 from attn.base import KV_DIM, KV_LORA_RANK
 from attn.paged import RaggedKernelBackend
 
 _CHUNK_BYTES = 256 << 20  # fp32 scores of one chunk of query positions, all requests and heads
+
+
+def visible_positions(offsets: torch.Tensor, seq_lens: torch.Tensor, query_pos: torch.Tensor,
+                      mask_rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[..., K]`` bool: which kv positions ``offsets`` ``[K]`` a query at kv position ``query_pos``
+    ``[...]`` of a request of kv length ``seq_lens`` ``[...]`` sees. mask_rows ``[..., M]`` bool: the
+    query's tree-mask row over its request's last M positions (earlier ones always visible); None:
+    causal."""
+    seen = offsets < seq_lens[..., None]
+    if mask_rows is None:
+        return seen & (offsets <= query_pos[..., None])
+    mask_len = mask_rows.shape[-1]
+    region_start = (seq_lens - mask_len)[..., None]  # [..., 1]
+    rel = (offsets - region_start).clamp(0, mask_len - 1)
+    return seen & ((offsets < region_start) | torch.gather(mask_rows, -1, rel))
 
 
 def paged_mla_reference(
@@ -68,15 +86,9 @@ def paged_mla_reference(
             is_query = idx[None, :] < q_lens[:, None]  # [B, C]
             token = torch.where(is_query, cu_seqlens_q[:-1].long()[:, None] + idx, num_tokens)  # trash row if not
             query_pos = seq_lens[:, None] - q_lens[:, None] + idx  # [B, C]
-            visible = in_request[:, None, :] & is_query[..., None]  # [B, C, max_kv]
-            if custom_mask is None:
-                visible &= offsets <= query_pos[..., None]
-            else:
-                mask_len = custom_mask.shape[2]
-                region_start = (seq_lens - mask_len)[:, None, None]  # [B, 1, 1]
-                rel = (offsets - region_start).clamp(0, mask_len - 1).expand(-1, idx.shape[0], -1)
-                rows = custom_mask[:, idx.clamp(max=custom_mask.shape[1] - 1)]  # [B, C, M]
-                visible &= (offsets < region_start) | torch.gather(rows, 2, rel)
+            mask_rows = None if custom_mask is None else custom_mask[:, idx.clamp(max=custom_mask.shape[1] - 1)]
+            visible = is_query[..., None] & visible_positions(offsets, seq_lens[:, None].expand_as(query_pos),
+                                                              query_pos, mask_rows)  # [B, C, max_kv]
             q_cells = q[token.clamp(max=num_tokens - 1)].float()  # [B, C, H, 576]
             scores = torch.einsum("bchd,bkd->bchk", q_cells, kv).mul_(sm_scale)
             scores.masked_fill_(~visible[:, :, None, :], float("-inf"))
@@ -92,11 +104,69 @@ def paged_mla_reference(
     return out
 
 
+def indexer_topk_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    topk: int,
+    custom_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning indexer over a paged key cache: ``index_topk``'s contract.
+
+    q ``[T, Hi, D]``; weights ``[T, Hi]`` fp32; index_cache ``[num_pages, page_size, D]``; the rest
+    as paged_mla_reference's. Token i of request b sits at kv position ``seq_lens[b] - q_len_b + i``
+    and scores each position it sees (causal, or custom_mask's) ``sum_h weights[t, h] * relu(q[t, h]
+    . k)`` in fp32. Returns ``[T, topk]`` int32 slots of the best, best first, -1 past the positions
+    it sees (all -1 for padding tokens from cu_seqlens_q[B] on). Memory: each token's request's keys
+    ``[T, table width, D]`` fp32.
+    """
+    num_tokens, _, dim = q.shape
+    batch_size, max_pages = block_tables.shape
+    page_size = index_cache.shape[1]
+    offsets = torch.arange(max_pages * page_size, device=q.device)
+    token = torch.arange(num_tokens, device=q.device)
+    cu = cu_seqlens_q.long()
+    req = torch.searchsorted(cu[1:], token, right=True)  # [T]: the request of each token; B for padding
+    is_query = req < batch_size
+    req = req.clamp(max=batch_size - 1)
+    index_in_req = token - cu[req]
+    kv_len = seq_lens.long()[req]
+    query_pos = kv_len - (cu[req + 1] - cu[req]) + index_in_req
+    mask_rows = None if custom_mask is None else custom_mask[req, index_in_req.clamp(0, custom_mask.shape[1] - 1)]
+    seen = is_query[:, None] & visible_positions(offsets, kv_len, query_pos, mask_rows)  # [T, max_kv]
+    slots = block_tables.long()[req][:, offsets // page_size] * page_size + offsets % page_size  # [T, max_kv]
+    keys = index_cache.reshape(-1, dim)[torch.where(seen, slots, 0)].float()  # [T, max_kv, D]
+    scores = torch.einsum("thd,tkd->thk", q.float(), keys).relu_()
+    index = torch.einsum("th,thk->tk", weights.float(), scores).masked_fill_(~seen, float("-inf"))
+    best = index.topk(min(topk, offsets.shape[0]), dim=-1)
+    chosen = torch.where(best.values > float("-inf"), slots.gather(1, best.indices), -1)
+    return F.pad(chosen, (0, topk - chosen.shape[1]), value=-1).int()
+
+
+def sparse_mla_reference(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, sm_scale: float,
+                         kv_scale: float = 1.0) -> torch.Tensor:
+    """Attention of latent queries q ``[T, H, 576]`` over their own rows ``slots`` ``[T, K]`` int32
+    (cache slots, -1: none) of kv_cache ``[num_pages, page_size, 576]`` (K the row, V its first 512).
+    Returns ``[T, H, 512]`` in q's dtype, 0 for a token with no row; fp32 math over ``[T, K, 576]``
+    gathered rows."""
+    valid = slots >= 0
+    kv = kv_cache.reshape(-1, KV_DIM)[torch.where(valid, slots, 0).long()].float() * kv_scale
+    kv = torch.where(valid[..., None], kv, 0.0)  # a NaN in a stand-in row would survive its zero probability
+    scores = torch.einsum("thd,tkd->thk", q.float(), kv).mul_(sm_scale)
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a token with no row -> 0
+    return torch.einsum("thk,tkd->thd", probs, kv[..., :KV_LORA_RANK]).to(q.dtype)
+
+
 class TorchRefBackend(RaggedKernelBackend):
-    """Paged MLA attention in plain torch (fp32 math); supports tree masks and CUDA graphs."""
+    """Paged MLA attention in plain torch (fp32 math); supports tree masks, sparse passes and CUDA graphs."""
 
     name = "torch_ref"
     kernel_family = "torch_ref"
+    supports_sparse = True
     kv_dtypes = (*RaggedKernelBackend.kv_dtypes, "fp64")  # any cache dtype: attention math is fp32 regardless
 
     def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask,
@@ -105,3 +175,10 @@ class TorchRefBackend(RaggedKernelBackend):
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, self.layer.sm_scale,
             custom_mask=custom_mask, kv_scale=self.bmm2_scale(),
         )
+
+    def _run_index_kernel(self, q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, topk,
+                          custom_mask):
+        return indexer_topk_reference(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, topk, custom_mask)
+
+    def _run_sparse_kernel(self, q, kv_cache, slots):
+        return sparse_mla_reference(q, kv_cache, slots, self.layer.sm_scale, self.bmm2_scale())

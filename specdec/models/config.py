@@ -1,4 +1,5 @@
-"""DeepseekV3Config: the fields of an HF DeepSeek-V3 ``config.json``, validated up front."""
+"""DeepseekV3Config / DeepseekV32Config: the fields of an HF DeepSeek-V3 / V3.2 ``config.json``,
+validated up front."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import Any, Optional
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM
 from attn.values import is_finite_real, is_int, is_positive_finite
 
-_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 _YARN_REQUIRED = ("factor", "original_max_position_embeddings")
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
@@ -62,6 +62,9 @@ class DeepseekV3Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     quantization_config: Optional[dict[str, Any]] = None
+
+    _model_types = ("deepseek_v3", "kimi_k2")  # config.json model_types read (not fields: no annotation)
+    _architecture = "DeepseekV3ForCausalLM"
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -176,9 +179,9 @@ class DeepseekV3Config:
         if not isinstance(d, dict):
             raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
         kind = d.get("model_type")
-        if kind is not None and kind not in _MODEL_TYPES:
-            raise ValueError(f"config.json: model_type {kind!r} is not one this model implements {_MODEL_TYPES} "
-                             "(DeepSeek-V3's architecture)")
+        if kind is not None and kind not in cls._model_types:
+            raise ValueError(f"config.json: model_type {kind!r} is not one {cls.__name__} reads {cls._model_types} "
+                             f"({cls._architecture}'s architecture)")
         d = dict(d)
         params = d.pop("rope_parameters", None)
         if params:
@@ -199,11 +202,38 @@ class DeepseekV3Config:
         """A config.json dict in the public release's form (transformers reads it too)."""
         d = asdict(self)
         d.pop("quantization_config")  # always None here
-        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **d}
+        return {"architectures": [self._architecture], "model_type": self._model_types[0], **d}
 
 
+@dataclass
+class DeepseekV32Config(DeepseekV3Config):
+    """DeepSeek-V3.2 (DeepSeek Sparse Attention): V3's fields and its lightning indexer's, named as in
+    transformers' DeepseekV32Config; defaults are the public release's.
+
+    index_n_heads: indexer query heads. index_head_dim: the width of its queries and cached keys,
+        the first qk_rope_head_dim dims rotated (half-split rope). index_topk: the cache rows each
+        query token attends to, the indexer's best (all it sees when it sees fewer).
+    The indexer's queries project the q LoRA latent, so q_lora_rank must be set.
+    """
+
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+
+    _model_types = ("deepseek_v32",)
+    _architecture = "DeepseekV32ForCausalLM"
+
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        _check(self.q_lora_rank is not None, "q_lora_rank", "must be set: the indexer's queries project the q LoRA "
+               "latent (wq_b)", self.q_lora_rank, name)
+        _check(self.index_n_heads > 0, "index_n_heads", "must be positive", self.index_n_heads, name)
+        _check(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
+               f"must be >= qk_rope_head_dim ({self.qk_rope_head_dim}, the dims it rotates)", self.index_head_dim, name)
+        _check(self.index_topk > 0, "index_topk", "must be positive", self.index_topk, name)
 
 
-def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+def _check(ok: bool, name: str, rule: str, value: Any, owner: str = "DeepseekV3Config") -> None:
     if not ok:
-        raise ValueError(f"DeepseekV3Config.{name} {rule}; got {value!r}")
+        raise ValueError(f"{owner}.{name} {rule}; got {value!r}")

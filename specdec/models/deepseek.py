@@ -212,17 +212,23 @@ class MLAttention(CheckpointViews, nn.Module):
         cfg = self.cfg
         h, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
-        q, kv_new = ops.mla_latents(ops.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
-                                    LATENT_NORM_EPS, *rope, cfg.rope_interleave)
-        if cfg.q_lora_rank is not None:
-            q = ops.linear(q, self.q_b_proj.weight)
+        q_a, kv_new = ops.mla_latents(ops.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
+                                      LATENT_NORM_EPS, *rope, cfg.rope_interleave)
+        q = q_a if cfg.q_lora_rank is None else ops.linear(q_a, self.q_b_proj.weight)
         q = q.view(-1, h, cfg.qk_head_dim)  # [T, H, nope + 64]
         w_uk, w_uv = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, T, 512]
         query = ops.mla_query(q_latent, q, nope, *rope, cfg.rope_interleave)  # [T, H, 576]
-        out = backend.forward(query, kv_new, self.kv_layer_id, batch)  # [T, H, 512]
+        out = self.attend(query, kv_new, backend, batch, x, q_a, rope)  # [T, H, 512]
         out = torch.bmm(out.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         return ops.linear(out.transpose(0, 1).flatten(1), self.o_proj.weight)
+
+    def attend(self, query: torch.Tensor, kv_new: torch.Tensor, backend, batch: AttnBatch, x: torch.Tensor,
+               q_a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The backend call: query ``[T, H, 576]`` over every row it sees -> ``[T, H, 512]``. The
+        extension point of sparse attention (deepseek_v32), which also reads the layer input x
+        ``[T, D]`` and the normed q latent q_a ``[T, q_lora_rank]``."""
+        return backend.forward(query, kv_new, self.kv_layer_id, batch)
 
 
 class DecoderLayer(nn.Module):
@@ -230,15 +236,16 @@ class DecoderLayer(nn.Module):
     Under tensor parallelism each of the two sums its ranks' parts in one all-reduce.
 
     layer_idx: position in the checkpoint (decides dense vs MoE); kv_layer_id: the KV pool layer
-    its attention reads and writes (the MTP layer uses 0 of the draft's own pool).
+    its attention reads and writes (the MTP layer uses 0 of the draft's own pool); attention: its
+    class (MLAttention or a subclass: V3.2's sparse one).
     """
 
     def __init__(self, cfg: DeepseekV3Config, layer_idx: int, kv_layer_id: int, parallel: Parallel = SINGLE,
-                 dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
+                 dtype: Optional[torch.dtype] = None, device: Any = None, attention: type = MLAttention) -> None:
         super().__init__()
         fk = _factory(dtype, device)
         self.parallel = parallel
-        self.self_attn = MLAttention(cfg, kv_layer_id, parallel, **fk)
+        self.self_attn = attention(cfg, kv_layer_id, parallel, **fk)
         if cfg.is_moe_layer(layer_idx):
             self.mlp = MoE(cfg, parallel, **fk)
         else:
@@ -261,11 +268,12 @@ class DeepseekV3Model(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.*``)."""
 
     def __init__(self, cfg: DeepseekV3Config, parallel: Parallel = SINGLE, dtype: Optional[torch.dtype] = None,
-                 device: Any = None) -> None:
+                 device: Any = None, attention: type = MLAttention) -> None:
         super().__init__()
         fk = _factory(dtype, device)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel, **fk)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, i, parallel, **fk) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, i, parallel, **fk, attention=attention)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
 
 
@@ -280,11 +288,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     hidden states and the same full-vocabulary logits.
     """
 
+    attention: type = MLAttention  # every decoder layer's attention class (V3.2: its sparse subclass)
+
     def __init__(self, config: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None,
                  parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.config, self.parallel = config, parallel
-        self.model = DeepseekV3Model(config, parallel, dtype, device)
+        self.model = DeepseekV3Model(config, parallel, dtype, device, self.attention)
         vocab = parallel.shard(config.vocab_size, "vocab_size")[1]
         self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype, device=device)
         if config.tie_word_embeddings:

@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdec.models.config import DeepseekV3Config
+from specdec.models.config import DeepseekV32Config, DeepseekV3Config
 from specdec.models.deepseek import DeepseekV3ForCausalLM
+from specdec.models.deepseek_v32 import DeepseekV32ForCausalLM
 from specdec.models.mtp import DeepseekMTP
 from specdec.parallel import SINGLE, Parallel
 
@@ -45,13 +46,14 @@ def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = 
     (an MTP layer in the checkpoint is skipped; see :func:`load_mtp`). The weights' names, dtypes
     and shapes are checked against the config before the model is built (CheckpointError).
     parallel: this rank's slice; it reads only its slice of each cut tensor (_TP_DIMS) from the
-    files, so no rank ever holds the whole model."""
-    config = DeepseekV3Config.from_json(os.path.join(path, "config.json"))
+    files, so no rank ever holds the whole model. A config.json of model_type deepseek_v32 loads a
+    DeepseekV32ForCausalLM (sparse attention)."""
+    config, model_class = _target_config(path)
     index = _weight_index(path)
     names = [n for n in index if not _is_mtp_weight(n, config)]
     if config.tie_word_embeddings:  # a copy of the tied head is redundant (transformers ties it too)
         names = [n for n in names if n != "lm_head.weight"]
-    _check_weights(_own_tensors(DeepseekV3ForCausalLM(config, dtype, "meta", parallel)), names, index, path, parallel)
+    _check_weights(_own_tensors(model_class(config, dtype, "meta", parallel)), names, index, path, parallel)
     if config.tie_word_embeddings and "lm_head.weight" in index:
         # A head that is not the embedding would be dropped silently (as transformers does). Checked
         # before the build, against the embedding as stored (tied models are small ones).
@@ -62,9 +64,18 @@ def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = 
             raise CheckpointError(f"{path}: config.json ties the head to the embedding (tie_word_embeddings=true), "
                                   f"but the checkpoint's lm_head.weight is not {embed}: set tie_word_embeddings to "
                                   "false to load that head, or remove it from the checkpoint")
-    model = DeepseekV3ForCausalLM(config, dtype, device, parallel)
+    model = model_class(config, dtype, device, parallel)
     _copy_weights(_own_tensors(model), index, parallel)
     return model.eval()
+
+
+def _target_config(path: str) -> tuple[DeepseekV3Config, type]:
+    """The config of ``path``'s config.json and the target class its model_type names."""
+    with open(os.path.join(path, "config.json")) as f:
+        d = json.load(f)
+    if isinstance(d, dict) and d.get("model_type") in DeepseekV32Config._model_types:
+        return DeepseekV32Config.from_dict(d), DeepseekV32ForCausalLM
+    return DeepseekV3Config.from_dict(d), DeepseekV3ForCausalLM
 
 
 def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu",
