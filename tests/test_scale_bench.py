@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import scale
-from benchmarks.scale import (
-    COLUMNS, Pass, RouterTap, StepClock, count_trace_events, expert_ids, floor_us, mtp_pass_bytes, mtp_params,
-    rank_slice_config, step_floor_bytes, target_params, target_pass_bytes,
+from benchmarks import rank_slice, scale, scale_report
+from benchmarks.rank_slice import (
+    Pass, floor_us, mtp_pass_bytes, mtp_params, rank_slice_config, step_floor_bytes, target_params, target_pass_bytes,
 )
+from benchmarks.scale_probes import RouterTap, StepClock, count_trace_events, expert_ids
+from benchmarks.scale_report import COLUMNS
 
 D, V = 7168, 16160  # the rank slice's hidden size and vocabulary
 ATTENTION = D * 1536 + 1536 + 1536 * 16 * (128 + 64) + D * (512 + 64) + 512 + 512 * 16 * (128 + 128) + 16 * 128 * D
@@ -62,8 +63,8 @@ def test_the_floor_counts_what_the_built_smoke_model_holds(variant):
     """Independent of the config arithmetic: the built model's parameters, less the embedding rows
     a pass does not read and the experts it did not choose."""
     cfg = rank_slice_config(variant, layers=4, smoke=True)
-    target, draft = scale.build_models(cfg, torch.float32, "cpu")
-    assert scale.check_param_counts(target, draft) is None
+    target, draft = rank_slice.build_models(cfg, torch.float32, "cpu")
+    assert rank_slice.check_param_counts(target, draft) is None
     all_bytes = sum(p.numel() * 4 for p in target.parameters())
     d, e = cfg.hidden_size, 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     moe_layers = [i for i in range(4) if cfg.is_moe_layer(i)]
@@ -72,7 +73,7 @@ def test_the_floor_counts_what_the_built_smoke_model_holds(variant):
     skipped = sum((cfg.n_routed_experts - c) * e for c in chosen)
     want = all_bytes - (cfg.vocab_size - 3) * d * 4 - skipped + len(moe_layers) * bias + 100 * 576 * 4 * 4
     assert target_pass_bytes(cfg, 3, chosen, 100, weight_bytes=4, kv_bytes=4) == want
-    own = sum(p.numel() * 4 for p in scale.own_parameters(draft, target))
+    own = sum(p.numel() * 4 for p in rank_slice.own_parameters(draft, target))
     mtp_moe = cfg.is_moe_layer(4)
     unchosen = (cfg.n_routed_experts - 1) * e if mtp_moe else 0
     want = own - unchosen + (bias if mtp_moe else 0) + (cfg.vocab_size + 3) * d * 4 + 50 * 576 * 4
@@ -123,21 +124,21 @@ def test_csv_rows_merge_by_configuration(tmp_path):
     path = tmp_path / "scale.csv"
     rows = [dict(variant="moe", backend="b", batch=1, topk=1, target_us=1.5), dict(variant="moe", backend="b", batch=8,
                                                                                 topk=1, target_us=2.0)]
-    scale.write_csv(rows, path)
+    scale_report.write_csv(rows, path)
     args = scale.parse_args(["--smoke", "--csv", str(path), "--append"])
     run = scale.Run(args)
     assert [(r["batch"], r["target_us"], r["spec_us"]) for r in run.rows] == [(1, 1.5, ""), (8, 2.0, "")]
     run.emit(dict(rows[0], target_us=3.0, spec_us=6.0, target_floor_frac=0.5, spec_floor_frac=0.25,
                   kernels_per_layer=7, spec_over_target=2.0, num_draft_tokens=4, target_floor_us=1, spec_floor_us=1,
                   **{f"speedup_L{L}": 1.0 for L in scale.PROJECTED_L}, verify_experts=math.nan))
-    merged = scale.read_csv(path)
+    merged = scale_report.read_csv(path)
     assert [(r["batch"], r["target_us"]) for r in merged] == [(8, 2.0), (1, 3.0)]
     assert merged[0]["spec_us"] == ""  # a column the old row lacks
     other = tmp_path / "other.csv"
-    scale.write_csv([dict(rows[1], target_us=5.0)], other)
+    scale_report.write_csv([dict(rows[1], target_us=5.0)], other)
     out = tmp_path / "merged.csv"
     assert scale.main(["--merge", str(path), str(other), "--csv", str(out), "--png", str(tmp_path / "m.png")]) == 0
-    assert [(r["batch"], r["target_us"]) for r in scale.read_csv(out)] == [(1, 3.0), (8, 5.0)]
+    assert [(r["batch"], r["target_us"]) for r in scale_report.read_csv(out)] == [(1, 3.0), (8, 5.0)]
 
 
 def test_smoke_run_writes_every_configuration(tmp_path):
