@@ -61,19 +61,18 @@ class Parallel:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` per rank -> ``[..., size * n]``, rank r's slice at ``[r * n, (r + 1) * n)``."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return x if self.size == 1 else torch.cat(self._gather(x), dim=-1)
 
     def same_on_all_ranks(self, x: torch.Tensor) -> bool:
         """Whether every rank holds an equal ``x`` (a debug check: it gathers every rank's copy)."""
-        if self.size == 1:
-            return True
+        parts = [x] if self.size == 1 else self._gather(x)
+        return all(torch.equal(parts[0], p) for p in parts[1:])
+
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x``, in rank order."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return all(torch.equal(parts[0], p) for p in parts[1:])
+        return parts
 
 
 SINGLE = Parallel()

@@ -55,8 +55,6 @@ class EagleWorker:
         check_draft(draft, target, config)
         self.target, self.draft = target, draft
         self.parallel = getattr(target, "parallel", SINGLE)
-        # NCCL gathers device tensors; gloo host ones
-        self._parallel_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         self.draft_offset = config.draft_offset
         kv_dtype = config.cache_dtype(self.dtype, self.device)
         check_memory(config, (target.num_attention_layers, draft.num_attention_layers), kv_dtype, self.device)
@@ -277,7 +275,7 @@ class EagleWorker:
         emitted = torch.as_tensor(report.emitted.astype(np.int64))
         take = torch.as_tensor(report.take.astype(np.int64))
         kept = torch.where(torch.arange(emitted.shape[1])[None] < take[:, None], emitted, -1)
-        digest = torch.tensor([hash(tuple(kept.flatten().tolist()))], dtype=torch.int64, device=self._parallel_device)
+        digest = torch.tensor([hash(tuple(kept.flatten().tolist()))], dtype=torch.int64, device=self.device)
         if not self.parallel.same_on_all_ranks(digest):
             raise RuntimeError(f"tensor-parallel rank {self.parallel.rank} of {self.parallel.size}: the ranks accepted "
                                "different tokens this step (a rank-dependent result: a bug or a non-deterministic "

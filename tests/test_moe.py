@@ -398,12 +398,12 @@ for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(tokens, 72, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         with torch.no_grad():
             weights, ids = moe.gate(x)
-            saved = (ops._on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch)
-            ops._on_triton = lambda *tensors: True
+            saved = (ops.on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch)
+            ops.on_triton = lambda *tensors: True
             moe_module.route = moe_module.sort_into_blocks = moe_module.grouped_experts_torch = torch_ran
             got_weights, got_ids = moe.gate(x)
             got = moe(x)
-            ops._on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch = saved
+            ops.on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch = saved
         assert torch.equal(got_ids, ids)
         torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
         assert got.dtype == dtype and got.shape == x.shape

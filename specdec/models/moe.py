@@ -25,10 +25,6 @@ from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, sort_int
 from specdec.models.packing import CheckpointViews, row_views
 
 
-def _factory(dtype: Optional[torch.dtype], device: Any) -> dict[str, Any]:
-    return {"dtype": dtype, "device": device}
-
-
 class Router(nn.Module):
     """DeepSeek-V3 routing (noaux_tc): sigmoid scores; e_score_correction_bias steers which
     experts are chosen but not their weights; experts are picked from the topk_group groups whose
@@ -37,7 +33,7 @@ class Router(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, **_factory(dtype, device)))
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=0.02)
         # fp32 as in the reference: bias steps are far below bf16 resolution at score ~1 (_apply).
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
@@ -57,7 +53,7 @@ class Router(nn.Module):
         """x ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64): :func:`route` of
         the fp32 logits, by moe_kernels.triton_route on the Triton path."""
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        choose = triton_route if ops._on_triton(x, self.weight) else route
+        choose = triton_route if ops.on_triton(x, self.weight) else route
         return choose(logits, self.e_score_correction_bias, self.cfg)
 
 
@@ -106,7 +102,7 @@ class MoE(CheckpointViews, nn.Module):
     def __init__(self, cfg: DeepseekV3Config, parallel: Parallel = SINGLE, dtype: Optional[torch.dtype] = None,
                  device: Any = None) -> None:
         super().__init__()
-        fk = _factory(dtype, device)
+        fk = {"dtype": dtype, "device": device}
         experts, hidden = cfg.n_routed_experts, cfg.hidden_size
         self.inter = parallel.shard(cfg.moe_intermediate_size, "moe_intermediate_size")[1]
         self.gate = Router(cfg, **fk)
@@ -131,7 +127,7 @@ class MoE(CheckpointViews, nn.Module):
         weights, ids = self.gate(x)  # [T, k] each
         num_experts, _, hidden = self.experts_gate_up.shape
         tiles = tiles_for(ids.numel(), num_experts, hidden, self.inter, x.dtype)
-        if not ops._on_triton(x, weights, self.experts_gate_up, self.experts_down):
+        if not ops.on_triton(x, weights, self.experts_gate_up, self.experts_down):
             blocks = sort_into_blocks(ids, num_experts, tiles.block_m)
             per_pair = grouped_experts_torch(x, self.experts_gate_up, self.experts_down, weights, blocks)
             routed = per_pair.view(*ids.shape, hidden).sum(1)  # [T, k, D] -> [T, D], fp32

@@ -26,7 +26,7 @@ def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
 
 
-def _on_triton(*tensors: torch.Tensor) -> bool:
+def on_triton(*tensors: torch.Tensor) -> bool:
     """The Triton path: CUDA tensors, Triton present, no gradient to track."""
     return (triton is not None and tensors[0].is_cuda
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
@@ -44,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     As transformers computes it: h rounded to x's dtype, its norm in fp32, then times the weight in
     x's dtype. Without a residual h is x itself.
     """
-    if _on_triton(x, weight) and x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1):
+    if on_triton(x, weight) and x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1):
         return triton_rms_norm(x, weight, eps, residual)
     h = x if residual is None else residual + x
     return _torch_rms_norm(h, weight, eps), h
@@ -94,7 +94,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, st
 # --------------------------------------------------------------------------- silu * up
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` (gate ++ up) -> silu(gate) * up ``[T, I]`` in the input dtype."""
-    if _on_triton(gate_up) and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+    if on_triton(gate_up) and gate_up.dim() == 2 and gate_up.stride(1) == 1:
         return triton_silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -156,7 +156,7 @@ def mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], 
     output), kv_a_layernorm on the 512 latent dims, RoPE on the 64 rope dims (the row the cache holds).
     """
     latent = qkv.shape[1] - q_rank - 64
-    if _on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512:
+    if on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512:
         return triton_mla_latents(qkv, q_rank, q_norm, kv_norm, eps, cos, sin, interleave)
     q, latent_part, rope = qkv.split([q_rank, latent, 64], dim=-1)
     if q_norm is not None:
@@ -208,7 +208,7 @@ def mla_query(q_latent: torch.Tensor, q: torch.Tensor, nope: int, cos: torch.Ten
               interleave: bool) -> torch.Tensor:
     """The absorbed query ``[T, H, 576]``: each head's W_UK-absorbed latent ``q_latent [H, T, 512]``
     and its rotated rope dims, the last 64 of each head's ``nope + 64`` in ``q [T, H, nope + 64]``."""
-    if _on_triton(q_latent, q) and q.stride(2) == 1 and q_latent.stride(2) == 1 and q_latent.shape[2] == 512:
+    if on_triton(q_latent, q) and q.stride(2) == 1 and q_latent.stride(2) == 1 and q_latent.shape[2] == 512:
         return triton_mla_query(q_latent, q, nope, cos, sin, interleave)
     rope = apply_rope(q[..., nope:], cos, sin, interleave)
     return torch.cat([q_latent.transpose(0, 1).to(q.dtype), rope], dim=-1)
@@ -253,7 +253,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     GEMV (one launch, no split-K reduce; at or above cuBLAS's bandwidth there); others, and fp32,
     which tensor cores would round to tf32, go to cuBLAS.
     """
-    if (_on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous()
+    if (on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
         return triton_linear(x, weight)
     return F.linear(x, weight)
