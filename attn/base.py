@@ -165,16 +165,32 @@ class LayerSpec:
 
     num_heads: query heads per layer (16..128). sm_scale: softmax scale of the (nope + rope)-wide
     head (1/sqrt(192) for DeepSeek-V3), YaRN mscale included.
+    index_topk / index_head_dim: a sparse model's (DeepSeek-V3.2's): the rows each query token
+    attends to (index_topk / forward_sparse), and the width of its indexer keys, which the KV pool
+    holds beside the latent rows. None / 0: a dense model.
     """
 
     num_heads: int
     sm_scale: float
+    index_topk: Optional[int] = None
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.num_heads) or self.num_heads < 1:
             raise ValueError(f"LayerSpec: num_heads must be an int >= 1, got {self.num_heads!r}")
         if not is_positive_finite(self.sm_scale):  # (NaN made every output NaN, in every backend)
             raise ValueError(f"LayerSpec: sm_scale must be a finite positive float, got {self.sm_scale!r}")
+        sparse = self.index_topk is not None
+        if sparse and not (is_int(self.index_topk) and self.index_topk >= 1):
+            raise ValueError(f"LayerSpec: index_topk must be None (dense) or an int >= 1, got {self.index_topk!r}")
+        if not is_int(self.index_head_dim) or (self.index_head_dim >= 1) != sparse or self.index_head_dim < 0:
+            raise ValueError(f"LayerSpec: index_head_dim must be an int >= 1 with index_topk (a sparse model), 0 "
+                             f"without; got {self.index_head_dim!r} with index_topk={self.index_topk!r}")
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the model attends sparsely (index_topk, forward_sparse)."""
+        return self.index_topk is not None
 
 
 class AttentionBackend(Protocol):
@@ -193,6 +209,7 @@ class AttentionBackend(Protocol):
     supports_tree_mask: bool  # attends with a custom (topk > 1) tree mask
     supports_sparse: bool  # runs index_topk and forward_sparse (DeepSeek-V3.2 sparse attention)
     max_index_topk: Optional[int]  # rows a query token its sparse call takes at most; None: any
+    sparse_kv_dtypes: Optional[tuple[str, ...]]  # cache dtypes its sparse passes take (kv_dtypes' names); None: kv_dtypes
     supports_cuda_graph: bool  # its passes can be captured (graphs.runner refuses it otherwise)
     supports_prefill: bool  # runs EXTEND passes (variable query lengths, causal)
     supports_draft_extend: bool  # runs DRAFT_EXTEND passes (num_steps + 1 query tokens a request)

@@ -20,9 +20,9 @@ from attn.workspace import get_workspace
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
-    """``[..., 576]`` as ``[N, 576]`` rows; one-byte dtypes (fp8) as uint8, which every device
-    can index and copy."""
-    flat = t.reshape(-1, KV_DIM)
+    """``[..., W]`` (576: latent rows; a sparse model's indexer keys: index_head_dim) as ``[N, W]``
+    rows; one-byte dtypes (fp8) as uint8, which every device can index and copy."""
+    flat = t.reshape(-1, t.shape[-1])
     return flat.view(torch.uint8) if flat.element_size() == 1 else flat
 
 
@@ -66,6 +66,7 @@ class PagedMLABackend:
     supports_tree_mask = False
     supports_sparse = False
     max_index_topk: Optional[int] = None
+    sparse_kv_dtypes: Optional[tuple[str, ...]] = None  # None: its sparse passes take every kv_dtypes entry
     supports_cuda_graph = True
     supports_prefill = True
     supports_draft_extend = True  # uniform num_steps + 1 query tokens per request

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from attn.base import KV_DTYPES
 from attn.paged import PagedMLABackend
 
 _BACKENDS = {
@@ -116,6 +117,31 @@ def check_tree_support(choice: BackendChoice, topk: int) -> None:
             masked = [n for n in backend_names() if get_backend_class(n).supports_tree_mask]
             raise ValueError(f"{cls.name} ({role}) cannot attend with a tree mask: use topk=1, or set {setting} "
                              f"to one of {masked}")
+
+
+def check_sparse_support(choice: BackendChoice, roles: tuple[str, ...], index_topk: int, kv_dtype: torch.dtype,
+                         model: str) -> None:
+    """A sparse model (DeepSeek-V3.2: ``index_topk`` rows a query token) runs its passes of
+    ``roles`` (BackendChoice fields) on backends with sparse passes (supports_sparse) that select
+    that many rows (max_index_topk) over a cache of ``kv_dtype`` (sparse_kv_dtypes, else
+    kv_dtypes). ValueError naming ``model``, the role and the setting to change."""
+    for role in roles:
+        cls, setting = get_backend_class(getattr(choice, role)), ROLE_SETTINGS[role]
+        needs = f"{model} (sparse attention, index_topk={index_topk}) runs its {role} passes on it"
+        if not cls.supports_sparse:
+            sparse = [n for n in backend_names() if get_backend_class(n).supports_sparse]
+            raise ValueError(f"{cls.name} ({role}) has no sparse attention (supports_sparse=False), and {needs}; set "
+                             f"{setting} to one of {sparse}")
+        if cls.max_index_topk is not None and index_topk > cls.max_index_topk:
+            wide = [n for n in backend_names() if get_backend_class(n).supports_sparse
+                    and (get_backend_class(n).max_index_topk or index_topk) >= index_topk]
+            raise ValueError(f"{cls.name} ({role}) selects at most {cls.max_index_topk} rows a query token "
+                             f"(max_index_topk), and {needs}; set {setting} to one of {wide}")
+        dtypes = cls.sparse_kv_dtypes if cls.sparse_kv_dtypes is not None else cls.kv_dtypes
+        if not any(KV_DTYPES.get(name) == kv_dtype for name in dtypes):
+            raise ValueError(f"{cls.name} ({role}) runs sparse passes over kv caches of "
+                             f"{[n for n in dtypes if n != 'auto']}, not {kv_dtype}, and {needs}; change kv_dtype "
+                             f"or set {setting}")
 
 
 def check_context_len(choice: BackendChoice, max_context_len: int) -> None:

@@ -1,7 +1,7 @@
 """EAGLE speculative decoding on a DeepSeek-V3-architecture model, with and without spec decoding.
 
     python examples/eagle_deepseek.py                       # examples/tiny_model (train_tiny.py), CPU ok
-    python examples/eagle_deepseek.py --checkpoint DIR      # any HF-format DeepSeek-V3 dir with an MTP layer
+    python examples/eagle_deepseek.py --checkpoint DIR      # any HF-format DeepSeek-V3 / V3.2 dir with an MTP layer
     python examples/eagle_deepseek.py --device cuda --backend triton_mla --cuda-graph
     python examples/eagle_deepseek.py --topk 4 --num-draft-tokens 8 --temperature 0.7 --plot spec.png
     torchrun --nproc-per-node 2 examples/eagle_deepseek.py --tp 2   # tensor parallel (gloo on CPU, NCCL on GPUs)
@@ -141,9 +141,10 @@ def build_worker(target: DeepseekV3ForCausalLM, draft: DeepseekMTP, prompts: lis
     refusals, the KV caches' memory among them)."""
     cfg = spec_config(args, backend, page_size, len(prompts), max(map(len, prompts)))
     param = next(target.parameters())
-    layers = target.num_attention_layers  # the worker's two pools and target-only decoding's
-    check_memory(cfg, (layers, draft.num_attention_layers, layers), cfg.cache_dtype(param.dtype, param.device),
-                 param.device)
+    # (layers, indexer key width) of the worker's two pools and target-only decoding's
+    target_pool = (target.num_attention_layers, target.attn_spec().index_head_dim)
+    pools = (target_pool, (draft.num_attention_layers, draft.attn_spec().index_head_dim), target_pool)
+    check_memory(cfg, pools, cfg.cache_dtype(param.dtype, param.device), param.device)
     with torch.inference_mode():  # (the worker's tensors, as measure's decoding, are inference tensors)
         worker = EagleWorker(target, draft, cfg)
         if args.cuda_graph:
@@ -252,7 +253,7 @@ def plot(path: str, main: Measurement, sweep: dict[int, Measurement], title: str
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", metavar="DIR",
-                    help=f"HF-format DeepSeek-V3 directory with an MTP layer (default: {DEFAULT_OUT})")
+                    help=f"HF-format DeepSeek-V3 or V3.2 directory with an MTP layer (default: {DEFAULT_OUT})")
     ap.add_argument("--backend", default=None, choices=backend_names(), metavar="NAME",
                     help=f"attention backend, one of {', '.join(backend_names())} "
                          "(default: torch_ref on CPU, triton_mla on CUDA)")

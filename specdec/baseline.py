@@ -14,22 +14,23 @@ from specdec.kv import MLAKVPool
 
 
 class _Session:
-    """A KV pool with one row of ``context`` positions per prompt, the decode backend (``choice``'s
-    target) and the one that prefills (the same, or its family's prefill fallback), and the
-    prompts' prefill: what target-only decoding and full-sequence logits both start from."""
+    """A KV pool with one row of ``context`` positions per prompt (and a sparse model's indexer
+    keys), the decode backend (``choice``'s target) and the one that prefills (the same, or its
+    family's prefill fallback), and the prompts' prefill: what target-only decoding and
+    full-sequence logits both start from."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], context: int, page_size: int,
                  choice: BackendChoice, kv_dtype: torch.dtype | None, kv_scale: float = 1.0) -> None:
         if len(prompts) == 0 or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("target-only decoding needs at least one prompt, and every prompt at least one token")
         param = next(model.parameters())
-        self.model, self.device, bs = model, param.device, len(prompts)
+        self.model, self.device, bs, spec = model, param.device, len(prompts), model.attn_spec()
         self.pool = MLAKVPool(model.num_attention_layers, bs * context // page_size + 1, page_size, bs, context,
-                              kv_dtype or param.dtype, self.device, kv_scale)
-        self.attn = get_backend_class(choice.target)(self.pool.view(), model.attn_spec(), bs, 1)
+                              kv_dtype or param.dtype, self.device, kv_scale, spec.index_head_dim)
+        self.attn = get_backend_class(choice.target)(self.pool.view(), spec, bs, 1)
         prefill_attn = self.attn
         if choice.prefill != choice.target:
-            prefill_attn = get_backend_class(choice.prefill)(self.pool.view(), model.attn_spec(), bs, 1)
+            prefill_attn = get_backend_class(choice.prefill)(self.pool.view(), spec, bs, 1)
         rows = [self.pool.alloc_request() for _ in prompts]
         self.pool.ensure_capacity_many(rows, [context] * bs)
         self.rows = torch.tensor(rows, device=self.device)

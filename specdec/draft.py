@@ -8,7 +8,12 @@ from typing import Optional, Protocol
 import torch
 
 from attn.base import AttnBatch, LayerSpec
+from attn.registry import check_sparse_support
 from specdec.config import ConfigError, SpecConfig
+
+# The roles (attn.registry.BackendChoice's fields) whose backends run each model's passes.
+TARGET_ROLES = ("target", "prefill")
+DRAFT_ROLES = ("draft", "draft_extend", "prefill")
 
 
 class TargetModel(Protocol):
@@ -28,6 +33,10 @@ class TargetModel(Protocol):
     EAGLE draft's check). parameters(): the first one's dtype and device are the worker's (the KV
     cache's dtype under kv_dtype "auto", and the draft's).
     compute_logits: hidden ``[N, D]`` -> logits ``[N, vocab_size]`` (float).
+    attn_spec: its LayerSpec. A sparse model (DeepSeek-V3.2) sets its index_topk and index_head_dim
+    and calls ``backend.index_topk`` then ``backend.forward_sparse`` where a dense one calls
+    ``backend.forward``; the worker then builds its pool with the indexer keys and refuses backends
+    without such passes (check_sparse).
     """
 
     config: object
@@ -54,7 +63,7 @@ class DraftModel(Protocol):
     compute each row on its own. vocab_size: the width of compute_logits' logits, which must be
     the target's (the draft proposes target token ids). hidden_size: D of forward's output (the
     target's, for a head that reads the target's), in the dtype of its parameters (a torch
-    module's).
+    module's). attn_spec: as TargetModel's (a sparse draft: V3.2's MTP layer).
     """
 
     num_attention_layers: int
@@ -129,6 +138,20 @@ def check_draft(draft: DraftModel, target: TargetModel, config: SpecConfig) -> N
             raise ConfigError(f"the draft has parameters in {sorted(map(str, dtypes))} and the target's are "
                               f"{target_param.dtype}: the draft reads the target's hidden states; load it in "
                               f"{target_param.dtype}")
+
+
+def check_sparse(target: TargetModel, draft: DraftModel, config: SpecConfig, kv_dtype: torch.dtype) -> None:
+    """ConfigError, before any pool or backend is built, where a sparse model (``attn_spec().sparse``:
+    DeepSeek-V3.2's target, its MTP layer) would run passes on a backend that cannot run its sparse
+    passes of its index_topk over a ``kv_dtype`` cache (attn.registry.check_sparse_support): the
+    target's verify and prefill, the draft's steps, draft-extend and prefill."""
+    for model, name, roles in ((target, "the target", TARGET_ROLES), (draft, "the draft", DRAFT_ROLES)):
+        spec = model.attn_spec()
+        if spec.sparse:
+            try:
+                check_sparse_support(config.backends, roles, spec.index_topk, kv_dtype, name)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
 
 
 class StandaloneDraft(torch.nn.Module):

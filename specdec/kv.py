@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from attn.base import KV_DIM, KVCacheView
+from attn.paged import rows
 from specdec.config import ConfigError, SpecConfig
 
 PADDING_PAGE = 0
@@ -36,7 +37,8 @@ class MLAKVPool:
 
     kv_buffers[layer]: ``[num_pages, page_size, 576]`` of ``dtype``.
     index_buffers[layer]: ``[num_pages, page_size, index_head_dim]`` of ``index_dtype`` (default
-    ``dtype``), a sparse model's indexer keys (KVCacheView.index_buffers); none when index_head_dim is 0.
+    :meth:`index_dtype_for` ``dtype``), a sparse model's indexer keys (KVCacheView.index_buffers);
+    none when index_head_dim is 0.
     req_to_token: ``[max_requests + 1, max_context_len]`` int32 (max_context_len a multiple of
     page_size); row 0 is the padding row.
     """
@@ -66,8 +68,8 @@ class MLAKVPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.kv_buffers = [torch.zeros(num_pages, page_size, KV_DIM, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.index_buffers = [torch.zeros(num_pages, page_size, index_head_dim, dtype=index_dtype or dtype, device=self.device)
-                              for _ in range(num_layers if index_head_dim else 0)]
+        self.index_buffers = [torch.zeros(num_pages, page_size, index_head_dim, dtype=index_dtype or self.index_dtype_for(dtype),
+                                          device=self.device) for _ in range(num_layers if index_head_dim else 0)]
         self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int32, device=self.device)
         self.kv_scale = kv_scale
         self.capacity = np.zeros(max_requests + 1, dtype=np.int64)  # tokens each row's pages hold: a vectorised per-step check
@@ -76,11 +78,20 @@ class MLAKVPool:
         self._staging_done: torch.cuda.Event | None = None  # CUDA: after the staging buffer's last copy
 
     @staticmethod
-    def bytes_for(num_layers: int, num_pages: int, page_size: int, max_requests: int, max_context_len: int,
-                  dtype: torch.dtype) -> int:
-        """The bytes a pool of these sizes allocates: its KV pages and its req_to_token table."""
-        kv = num_layers * num_pages * page_size * KV_DIM * torch.empty((), dtype=dtype).element_size()
-        return kv + (max_requests + 1) * max_context_len * 4
+    def index_dtype_for(dtype: torch.dtype) -> torch.dtype:
+        """The indexer keys' default dtype beside a latent cache of ``dtype``: the same, but bf16 in
+        place of a one-byte (fp8) one, whose keys would need a per-token scale index_topk does not
+        apply."""
+        return torch.bfloat16 if torch.empty((), dtype=dtype).element_size() == 1 else dtype
+
+    @classmethod
+    def bytes_for(cls, num_layers: int, num_pages: int, page_size: int, max_requests: int, max_context_len: int,
+                  dtype: torch.dtype, index_head_dim: int = 0) -> int:
+        """The bytes a pool of these sizes allocates (index keys in their default dtype): its KV
+        pages, its indexer keys and its req_to_token table."""
+        row = KV_DIM * torch.empty((), dtype=dtype).element_size()
+        row += index_head_dim * torch.empty((), dtype=cls.index_dtype_for(dtype)).element_size()
+        return num_layers * num_pages * page_size * row + (max_requests + 1) * max_context_len * 4
 
     def _init_allocator(self) -> None:
         """Every page and row free (page 0 and row 0 are never handed out)."""
@@ -97,6 +108,14 @@ class MLAKVPool:
     def view(self) -> KVCacheView:
         """What attention backends see of this pool."""
         return KVCacheView(self.kv_buffers, self.req_to_token, self.page_size, self.kv_scale, self.index_buffers)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's row at slots ``src`` ``[N]`` int64 to slots ``dst`` ``[N]`` (distinct):
+        the latent rows and a sparse model's indexer keys alike, which share slots (a tree's
+        accepted path moved into place). Every source is read before any destination is written."""
+        for buf in (*self.kv_buffers, *self.index_buffers):
+            flat = rows(buf)
+            flat.index_copy_(0, dst, flat[src])
 
     @property
     def num_free_pages(self) -> int:
@@ -267,16 +286,19 @@ def available_memory(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_memory(config: SpecConfig, num_layers: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, naming the settings, pools of ``config``'s sizes (one of ``num_layers[i]`` layers
-    each: the worker's target and draft) that the device could not hold: a ConfigError with the
-    bytes asked for and the bytes available."""
+def check_memory(config: SpecConfig, pools: tuple[tuple[int, int], ...], dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Refuse, naming the settings, pools of ``config``'s sizes that the device could not hold: one
+    a ``(num_layers, index_head_dim)`` of ``pools`` (the worker's target and draft; index_head_dim
+    0 for a dense model), a ConfigError with the bytes asked for and the bytes available."""
     asked = sum(MLAKVPool.bytes_for(layers, config.pool_pages, config.page_size, config.max_batch_size,
-                                    config.max_context_len, dtype) for layers in num_layers)
+                                    config.max_context_len, dtype, index_head_dim) for layers, index_head_dim in pools)
     free = available_memory(device)
     if asked > free:
+        index = [f"{layers} layers x {width}" for layers, width in pools if width]
+        keys = f", plus indexer keys of {' + '.join(index)} values a token" if index else ""
         raise ConfigError(
-            f"the KV pools need {asked / 2**30:.1f} GiB ({sum(num_layers)} layers x {config.pool_pages} pages "
-            f"(num_pages) x {config.page_size} tokens x {KV_DIM} x {dtype}, and req_to_token's (max_batch_size + 1) x "
-            f"max_context_len int32 a pool) but {device} has {free / 2**30:.1f} GiB available; lower num_pages, "
-            f"max_context_len or max_batch_size")
+            f"the KV pools need {asked / 2**30:.1f} GiB ({sum(layers for layers, _ in pools)} layers x "
+            f"{config.pool_pages} pages (num_pages) x {config.page_size} tokens x {KV_DIM} x {dtype}{keys}, and "
+            f"req_to_token's (max_batch_size + 1) x max_context_len int32 a pool) but {device} has "
+            f"{free / 2**30:.1f} GiB available; lower num_pages, max_context_len or max_batch_size")

@@ -23,7 +23,6 @@ import torch
 
 from attn.base import ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
-from attn.paged import rows as cache_rows
 from specdec.accept import (AcceptResult, chain_accept, greedy_accept, stop_at_limits, target_probs,
                             tree_rejection_sample)
 from specdec.batch import run_pass, uniform_batch
@@ -164,7 +163,8 @@ class SpecStep:
         return tree_rejection_sample(tree, probs, st.seed, st.counter, steps, max_children=self.config.topk)
 
     def commit_kv(self, st: DecodeState, result: AcceptResult, rows: torch.Tensor) -> None:
-        """Move the accepted path's KV rows to kv indices N..N+accept_len (trees only: a chain is in place)."""
+        """Move the accepted path's KV rows (and a sparse target's indexer keys) to kv indices
+        N..N+accept_len (trees only: a chain is in place)."""
         if self.config.topk == 1:
             return
         r2t = self.target_pool.req_to_token
@@ -174,9 +174,7 @@ class SpecStep:
         steps = torch.arange(width, device=self.device)
         src = r2t[rows[:, None], st.seq_lens[:, None] + result.path[:, :width]].flatten().long()
         dst = r2t[rows[:, None], st.seq_lens[:, None] + steps].flatten().long()
-        for cache in self.target_pool.kv_buffers:
-            flat = cache_rows(cache)
-            flat.index_copy_(0, dst, flat[src])
+        self.target_pool.copy_slots(src, dst)  # (a sparse target's indexer keys move with their rows)
 
     def send_to_host(self, st: DecodeState, result: AcceptResult) -> None:
         """Find each output's stop (eos, max_new_tokens: stop_at_limits) and enqueue the packed

@@ -23,7 +23,7 @@ from specdec.admission import Admission
 from specdec.batch import host_to_device
 from specdec.config import ConfigError, SpecConfig
 from specdec.device import on_device
-from specdec.draft import DraftModel, TargetModel, check_draft, check_target
+from specdec.draft import DraftModel, TargetModel, check_draft, check_sparse, check_target
 from specdec.guard import CallGuard, exclusive
 from specdec.kv import MLAKVPool, OutOfPagesError, check_memory
 from specdec.pages import BatchPages
@@ -57,13 +57,16 @@ class EagleWorker:
         self.parallel = getattr(target, "parallel", SINGLE)
         self.draft_offset = config.draft_offset
         kv_dtype = config.cache_dtype(self.dtype, self.device)
-        check_memory(config, (target.num_attention_layers, draft.num_attention_layers), kv_dtype, self.device)
+        check_sparse(target, draft, config, kv_dtype)
+        # (num_layers, index_head_dim) of each pool: a sparse model's holds its indexer keys too
+        sizes = tuple((model.num_attention_layers, model.attn_spec().index_head_dim) for model in (target, draft))
+        check_memory(config, sizes, kv_dtype, self.device)
 
-        def pool(num_layers: int) -> MLAKVPool:
+        def pool(num_layers: int, index_head_dim: int) -> MLAKVPool:
             return MLAKVPool(num_layers, config.pool_pages, config.page_size, config.max_batch_size,
-                             config.max_context_len, kv_dtype, self.device, config.kv_scale)
+                             config.max_context_len, kv_dtype, self.device, config.kv_scale, index_head_dim)
 
-        self.target_pool, self.draft_pool = pool(target.num_attention_layers), pool(draft.num_attention_layers)
+        self.target_pool, self.draft_pool = (pool(*size) for size in sizes)
         self.pages = BatchPages(self.target_pool, self.draft_pool, config.num_draft_tokens, self.draft_offset,
                                 config.draft_region_len)
         classes = config.backends.classes()

@@ -45,6 +45,23 @@ def test_tensor_parallel_example_under_torchrun() -> None:
     assert "lossless (spec == target-only greedy): 2/2 requests identical" in run.stdout
 
 
+def test_example_runs_a_v32_checkpoint_losslessly(tmp_path) -> None:
+    """--checkpoint of a tiny DeepSeek-V3.2 directory as transformers saves it (plus its MTP layer
+    in the release's layout): the V3.2 target and its sparse MTP draft load, and spec decoding on
+    torch_ref equals target-only greedy decoding; the prompts (40 bytes) run past index_topk."""
+    from test_models import TINY
+    from test_models_v32 import V32, save_v32_checkpoint
+
+    save_v32_checkpoint(tmp_path, {**TINY, **V32, "vocab_size": 256, "index_topk": 16})
+    run = subprocess.run([sys.executable, "examples/eagle_deepseek.py", "--checkpoint", str(tmp_path), "--device",
+                          "cpu", "--batch-size", "2", "--max-new-tokens", "12", "--repeats", "1", "--prompt-len", "40",
+                          "--topk", "2", "--num-draft-tokens", "5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"model: {tmp_path}" in run.stdout
+    assert "lossless (spec == target-only greedy): 2/2 requests identical" in run.stdout, run.stdout
+
+
 def test_tp_outside_torchrun_is_a_usage_error() -> None:
     run = subprocess.run([sys.executable, "examples/eagle_deepseek.py", "--device", "cpu", "--tp", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300,

@@ -75,7 +75,7 @@ def target_logits(model: DeepseekV3ForCausalLM, seqs: list[list[int]]) -> list[t
     """run_paged of the model's logits, over a pool with the indexer keys a sparse (V3.2) model needs."""
     return run_paged(lambda ids, pos, req, backend, batch: model.compute_logits(model(ids, pos, backend, batch)),
                      model.num_attention_layers, model.attn_spec(), seqs,
-                     index_head_dim=getattr(model, "index_head_dim", 0))
+                     index_head_dim=model.attn_spec().index_head_dim)
 
 
 def assert_matches_reference(ref: torch.nn.Module, seqs: list[list[int]], got: list[torch.Tensor]) -> None:

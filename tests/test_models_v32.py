@@ -3,19 +3,26 @@
 Our model runs as tests/test_models.py runs V3's (run_paged: a batched paged prefill, then decode
 steps) through torch_ref's sparse passes, over a pool holding the indexer's keys; every position's
 logits are compared with transformers' over the whole sequence, for an index_topk above every
-context (sparse == dense) and one that prunes.
+context (sparse == dense) and one that prunes. The MTP layer (which transformers does not
+implement for V3.2) is compared with transformers' modules composed as the release defines it.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from attn.backends.torch_ref import TorchRefBackend
 from attn.base import AttnBatch, ForwardMode, LayerSpec
 from specdec.kv import MLAKVPool
-from specdec.models import DeepseekV32Config, DeepseekV32ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, load_deepseek
-from tests.test_models import PAGE, TINY, YARN, assert_matches_reference, randomize, sequences, target_logits
+from specdec.models import (DeepseekV32Config, DeepseekV32ForCausalLM, DeepseekV32MTP, DeepseekV3Config,
+                            DeepseekV3ForCausalLM, load_deepseek, load_mtp)
+from tests.test_models import (PAGE, TINY, YARN, assert_matches_reference, causal_mask, hf_layer_state, randomize,
+                               run_paged, sequences, target_logits)
 
 # 16 indexer heads: a row scores exactly 0 (a tie) only where all 16 of its head scores are <= 0.
 V32 = dict(q_lora_rank=48, index_n_heads=16, index_head_dim=96)
@@ -83,6 +90,93 @@ def test_index_topk_selects_only_rows_a_tree_token_sees():
             scores = {slot[p]: float((weights[t, :, None] * (q[t] @ pool.index_buffers[0].view(-1, 8)[slot[p]])
                                       .relu()[:, None]).sum()) for p in seen}
             assert [scores[s] for s in picked] == pytest.approx(sorted(scores.values(), reverse=True)[:len(picked)])
+
+
+def hf_mtp_parts(fields: dict, target: torch.nn.Module, seed: int) -> torch.nn.ModuleDict:
+    """The MTP layer of a V3.2 checkpoint of transformers config ``fields`` as transformers'
+    modules (it has no V3.2 MTP module): enorm, hnorm, eh_proj, the DeepseekV32DecoderLayer
+    numbered num_hidden_layers (its indexer included), the shared head's norm, randomised; and, as
+    the release stores them, copies of ``target``'s embedding and head."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
+
+    n = fields["num_hidden_layers"]
+    layer_cfg = transformers.DeepseekV32Config(**{**fields, "num_hidden_layers": n + 1})  # mlp_layer_types[n]
+    layer_cfg._attn_implementation = "eager"  # (None takes the path that leaves the indexer's mask to a kernel)
+    d, eps = layer_cfg.hidden_size, layer_cfg.rms_norm_eps
+    parts = torch.nn.ModuleDict(dict(
+        enorm=hf.DeepseekV32RMSNorm(d, eps), hnorm=hf.DeepseekV32RMSNorm(d, eps),
+        eh_proj=torch.nn.Linear(2 * d, d, bias=False), layer=hf.DeepseekV32DecoderLayer(layer_cfg, layer_idx=n),
+        norm=hf.DeepseekV32RMSNorm(d, eps),
+    ))
+    randomize(parts, seed)
+    parts.embed_tokens = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone())
+    parts.head = torch.nn.Linear(d, layer_cfg.vocab_size, bias=False)
+    parts.head.weight.data.copy_(target.lm_head.weight)
+    return parts.eval()
+
+
+def save_v32_checkpoint(path: Path, fields: dict, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.ModuleDict]:
+    """A V3.2 checkpoint of transformers config ``fields``: transformers' DeepseekV32ForCausalLM as
+    it saves it, plus the MTP layer (hf_mtp_parts) in the release's layout, which transformers
+    leaves out: ``model.layers.{num_hidden_layers}.*`` in mtp.safetensors, and
+    num_nextn_predict_layers 1 in config.json. Returns (the transformers model, the MTP parts)."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**fields)).eval()
+    randomize(ref, seed)
+    ref.save_pretrained(path)
+    parts = hf_mtp_parts(fields, ref, seed + 1)
+    prefix = f"model.layers.{fields['num_hidden_layers']}."
+    tensors = {prefix + k: v for k, v in hf_layer_state(parts.layer, ref.config.n_routed_experts).items()}
+    tensors |= {f"{prefix}{k}.weight": getattr(parts, k).weight for k in ("embed_tokens", "enorm", "hnorm", "eh_proj")}
+    tensors |= {prefix + "shared_head.norm.weight": parts.norm.weight, prefix + "shared_head.head.weight": parts.head.weight}
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, path / "mtp.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return ref, parts
+
+
+def test_mtp_layer_matches_transformers_modules(tmp_path):
+    """load_mtp of a V3.2 checkpoint: a DeepseekV32MTP whose sparse layer (its own indexer,
+    pruning to PRUNING_TOPK rows) computes what transformers' modules composed as the MTP layer
+    compute, over the paged prefill + decode steps; it shares the target's embedding and head
+    (the checkpoint's copies equal them), and loads alone from its copies."""
+    fields = {**TINY, **V32, "index_topk": PRUNING_TOPK, "rope_parameters": dict(rope_theta=10000.0, **YARN)}
+    _, parts = save_v32_checkpoint(tmp_path, fields)
+    target = load_deepseek(str(tmp_path), torch.float32)
+    mtp = load_mtp(str(tmp_path), torch.float32, target=target)
+    assert isinstance(mtp, DeepseekV32MTP) and mtp.embed_tokens is target.embed_tokens
+    assert mtp.shared_head.head is target.lm_head
+    assert (mtp.attn_spec().index_topk, mtp.attn_spec().index_head_dim) == (PRUNING_TOPK, V32["index_head_dim"])
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32RotaryEmbedding
+
+    rotary = DeepseekV32RotaryEmbedding(transformers.DeepseekV32Config(**fields))
+
+    def reference(ids: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids_t, pos = torch.tensor(ids), torch.arange(len(ids))[None]
+        x = parts.eh_proj(torch.cat([parts.enorm(parts.embed_tokens(ids_t)), parts.hnorm(hidden)], -1))[None]
+        y = parts.norm(parts.layer(x, attention_mask=causal_mask(len(ids)), position_ids=pos,
+                                   position_embeddings=rotary(x, pos))[0])
+        return y, parts.head(y)
+
+    seqs = sequences(TINY["vocab_size"], seed=3)
+    assert min(map(len, seqs)) > PRUNING_TOPK  # the indexer prunes
+    hidden_in = [torch.randn(len(s), TINY["hidden_size"], generator=torch.Generator().manual_seed(i))
+                 for i, s in enumerate(seqs)]
+    flat_hidden, starts = torch.cat(hidden_in), torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    alone = load_mtp(str(tmp_path), torch.float32)
+    for draft in (mtp, alone):
+        def step(ids, pos, req, backend, batch):
+            h = draft(ids, pos, flat_hidden[starts[req] + pos], backend, batch)
+            return torch.cat([h, draft.compute_logits(h)], dim=-1)
+
+        outs = run_paged(step, 1, draft.attn_spec(), seqs, index_head_dim=draft.attn_spec().index_head_dim)
+        for seq, hid, out in zip(seqs, hidden_in, outs):
+            with torch.no_grad():
+                want_hidden, want_logits = reference(seq, hid)
+            torch.testing.assert_close(out[:, :TINY["hidden_size"]], want_hidden, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out[:, TINY["hidden_size"]:], want_logits, rtol=1e-4, atol=1e-4)
 
 
 class NoSparse(TorchRefBackend):

@@ -4,22 +4,25 @@ Each layer's lightning indexer scores every cached token for each query token, a
 attends only over the best ``index_topk`` of them: ``backend.index_topk`` (which caches the
 indexer's keys and selects rows as cache slots), then ``backend.forward_sparse`` over those slots,
 so the model stays backend-agnostic. The indexer's keys live in the KV pool beside the 576-wide
-latent rows (``KVCacheView.index_buffers``, the same pages and slots; ``MLAKVPool(index_head_dim=)``).
-Everything else is V3's (deepseek.py); names follow transformers' DeepseekV32ForCausalLM.
+latent rows (``KVCacheView.index_buffers``, the same pages and slots; ``MLAKVPool(index_head_dim=)``),
+which the models' ``attn_spec()`` asks for. Everything else is V3's (deepseek.py, mtp.py); names
+follow transformers' DeepseekV32ForCausalLM, and the MTP layer's those of V3's release.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn.base import AttnBatch
+from attn.base import AttnBatch, LayerSpec
 from specdec.models import ops
-from specdec.models.config import DeepseekV32Config
+from specdec.models.config import DeepseekV32Config, DeepseekV3Config
 from specdec.models.deepseek import DeepseekV3ForCausalLM, MLAttention, _factory
+from specdec.models.mtp import DeepseekMTP
 from specdec.parallel import SINGLE, Parallel
 
 INDEX_NORM_EPS = 1e-6  # k_norm's, fixed in transformers' DeepseekV32Indexer and DeepSeek's inference code
@@ -75,28 +78,65 @@ class SparseMLAttention(MLAttention):
         return backend.forward_sparse(query, kv_new, self.kv_layer_id, batch, slots)
 
 
+def sparse_spec(spec: LayerSpec, cfg: DeepseekV32Config) -> LayerSpec:
+    """A V3 model's LayerSpec with V3.2's sparse fields: index_topk rows a query token, indexer keys
+    index_head_dim wide (what the worker sizes the pool and checks the backends by)."""
+    return dataclasses.replace(spec, index_topk=cfg.index_topk, index_head_dim=cfg.index_head_dim)
+
+
+def check_sparse_backend(backend, cfg: DeepseekV32Config) -> None:
+    """ValueError naming the setting, before a forward's first layer writes anything, unless
+    ``backend`` runs sparse passes (supports_sparse) of cfg.index_topk rows over a pool holding
+    indexer keys index_head_dim wide (its check_sparse)."""
+    if not getattr(backend, "supports_sparse", False):
+        name = getattr(backend, "name", type(backend).__name__)
+        raise ValueError(f"{name} has no sparse attention (supports_sparse=False), which DeepSeek-V3.2 "
+                         f"(index_topk={cfg.index_topk}) needs; pick a sparse attention backend (torch_ref)")
+    backend.check_sparse(cfg.index_topk, cfg.index_head_dim)
+
+
+def _require_v32(config: DeepseekV3Config, cls: type) -> None:
+    if not isinstance(config, DeepseekV32Config):
+        raise TypeError(f"{cls.__name__} takes a DeepseekV32Config, got {type(config).__name__}")
+
+
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """The DeepSeek-V3.2 target model: DeepseekV3ForCausalLM's contract, over a backend with sparse
     passes (``supports_sparse``) and a KV pool holding ``index_head_dim`` indexer values a token a
-    layer; forward refuses others before any cache write."""
+    layer (attn_spec says both: sparse_spec); forward refuses others before any cache write."""
 
     attention = SparseMLAttention
 
     def __init__(self, config: DeepseekV32Config, dtype: Optional[torch.dtype] = None, device: Any = None,
                  parallel: Parallel = SINGLE) -> None:
-        if not isinstance(config, DeepseekV32Config):
-            raise TypeError(f"DeepseekV32ForCausalLM takes a DeepseekV32Config, got {type(config).__name__}")
+        _require_v32(config, type(self))
         super().__init__(config, dtype, device, parallel)
 
-    @property
-    def index_head_dim(self) -> int:
-        """The indexer values the KV pool holds a token a layer (MLAKVPool's index_head_dim)."""
-        return self.config.index_head_dim
+    def attn_spec(self) -> LayerSpec:
+        return sparse_spec(super().attn_spec(), self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
-        if not getattr(backend, "supports_sparse", False):
-            name = getattr(backend, "name", type(backend).__name__)
-            raise ValueError(f"{name} has no sparse attention (supports_sparse=False), which DeepSeek-V3.2 "
-                             f"(index_topk={self.config.index_topk}) needs; pick a sparse attention backend (torch_ref)")
-        backend.check_sparse(self.config.index_topk, self.config.index_head_dim)
+        check_sparse_backend(backend, self.config)
         return super().forward(input_ids, positions, backend, batch)
+
+
+class DeepseekV32MTP(DeepseekMTP):
+    """DeepSeek-V3.2's MTP layer as the EAGLE draft: DeepseekMTP whose decoder layer attends
+    sparsely, with its own indexer (``model.layers.{num_hidden_layers}.self_attn.indexer.*``), over
+    the draft's pool of indexer keys; the backend contract is DeepseekV32ForCausalLM's."""
+
+    attention = SparseMLAttention
+
+    def __init__(self, config: DeepseekV32Config, target: Optional[DeepseekV3ForCausalLM] = None,
+                 dtype: Optional[torch.dtype] = None, device: Any = None, *, embed_tokens: Optional[nn.Module] = None,
+                 head: Optional[nn.Linear] = None, parallel: Optional[Parallel] = None) -> None:
+        _require_v32(config, type(self))
+        super().__init__(config, target, dtype, device, embed_tokens=embed_tokens, head=head, parallel=parallel)
+
+    def attn_spec(self) -> LayerSpec:
+        return sparse_spec(super().attn_spec(), self.config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: torch.Tensor, backend,
+                batch: AttnBatch) -> torch.Tensor:
+        check_sparse_backend(backend, self.config)
+        return super().forward(input_ids, positions, hidden_in, backend, batch)

@@ -6,7 +6,8 @@ routed experts are stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weig
 also what transformers 5 writes (it fuses them only in memory). The MTP layer is
 ``model.layers.{num_hidden_layers}.*``: its decoder-layer weights (self_attn, mlp, norms) plus
 enorm, hnorm, eh_proj, shared_head.norm and, in the public release, its own copies of
-embed_tokens and shared_head.head.
+embed_tokens and shared_head.head. DeepSeek-V3.2 (model_type deepseek_v32) adds every layer's
+indexer, ``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``, the MTP layer's too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 
 from specdec.models.config import DeepseekV32Config, DeepseekV3Config
 from specdec.models.deepseek import DeepseekV3ForCausalLM
-from specdec.models.deepseek_v32 import DeepseekV32ForCausalLM
+from specdec.models.deepseek_v32 import DeepseekV32ForCausalLM, DeepseekV32MTP
 from specdec.models.mtp import DeepseekMTP
 from specdec.parallel import SINGLE, Parallel
 
@@ -48,7 +49,7 @@ def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = 
     parallel: this rank's slice; it reads only its slice of each cut tensor (_TP_DIMS) from the
     files, so no rank ever holds the whole model. A config.json of model_type deepseek_v32 loads a
     DeepseekV32ForCausalLM (sparse attention)."""
-    config, model_class = _target_config(path)
+    config, model_class, _ = _architecture(path)
     index = _weight_index(path)
     names = [n for n in index if not _is_mtp_weight(n, config)]
     if config.tie_word_embeddings:  # a copy of the tied head is redundant (transformers ties it too)
@@ -69,18 +70,20 @@ def load_deepseek(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = 
     return model.eval()
 
 
-def _target_config(path: str) -> tuple[DeepseekV3Config, type]:
-    """The config of ``path``'s config.json and the target class its model_type names."""
+def _architecture(path: str) -> tuple[DeepseekV3Config, type, type]:
+    """The config of ``path``'s config.json and the target and MTP classes its model_type names:
+    DeepSeek-V3.2's (deepseek_v32: sparse attention, in the MTP layer too), else V3's."""
     with open(os.path.join(path, "config.json")) as f:
         d = json.load(f)
     if isinstance(d, dict) and d.get("model_type") in DeepseekV32Config._model_types:
-        return DeepseekV32Config.from_dict(d), DeepseekV32ForCausalLM
-    return DeepseekV3Config.from_dict(d), DeepseekV3ForCausalLM
+        return DeepseekV32Config.from_dict(d), DeepseekV32ForCausalLM, DeepseekV32MTP
+    return DeepseekV3Config.from_dict(d), DeepseekV3ForCausalLM, DeepseekMTP
 
 
 def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu",
              target: Optional[DeepseekV3ForCausalLM] = None, parallel: Optional[Parallel] = None) -> DeepseekMTP:
-    """The MTP draft layer of an HF DeepSeek-V3 directory. Its embed_tokens and shared_head.head
+    """The MTP draft layer of an HF DeepSeek-V3 directory (a V3.2 one's, model_type deepseek_v32:
+    a DeepseekV32MTP, its indexer included). Its embed_tokens and shared_head.head
     are the target's (``target``, in ``dtype``; device "cuda" then means the target's GPU) where the
     checkpoint has no copy of them, or a copy equal to the target's (the public release stores
     copies of the shared tensors: ~3.7 GB of bf16 saved, and a frozen target freezes them too);
@@ -88,7 +91,7 @@ def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu"
     load_deepseek's (default: the target's, else one process)."""
     if parallel is None:
         parallel = target.parallel if target is not None else SINGLE
-    config = DeepseekV3Config.from_json(os.path.join(path, "config.json"))
+    config, _, mtp_class = _architecture(path)
     if config.num_nextn_predict_layers < 1:
         raise ValueError(f"{path} has no MTP layer: its config.json sets num_nextn_predict_layers={config.num_nextn_predict_layers}")
     index = _weight_index(path)
@@ -116,9 +119,9 @@ def load_mtp(path: str, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu"
     available = [n for n in available if n[len(prefix):] not in shared]
 
     def build(on: Any) -> DeepseekMTP:
-        return DeepseekMTP(config, None, dtype, on,
-                           embed_tokens=target.embed_tokens if "embed_tokens.weight" in shared else None,
-                           head=target.lm_head if "shared_head.head.weight" in shared else None, parallel=parallel)
+        return mtp_class(config, None, dtype, on,
+                         embed_tokens=target.embed_tokens if "embed_tokens.weight" in shared else None,
+                         head=target.lm_head if "shared_head.head.weight" in shared else None, parallel=parallel)
 
     def own(mtp: DeepseekMTP) -> dict[str, torch.Tensor]:
         return {prefix + _mtp_checkpoint_name(n): t for n, t in _own_tensors(mtp).items() if n not in shared}

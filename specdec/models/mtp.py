@@ -11,8 +11,8 @@ from attn.base import AttnBatch, LayerSpec
 from specdec.models import ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.deepseek import (
-    DecoderLayer, DeepseekV3ForCausalLM, RMSNorm, RotaryEmbedding, VocabEmbedding, check_inputs, local_heads,
-    softmax_scale,
+    DecoderLayer, DeepseekV3ForCausalLM, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding, check_inputs,
+    local_heads, softmax_scale,
 )
 from specdec.parallel import SINGLE, Parallel
 
@@ -42,6 +42,7 @@ class DeepseekMTP(nn.Module):
 
     num_attention_layers = 1
     needs_hidden_in = True  # the target's hidden state at the previous position (DraftModel)
+    attention: type = MLAttention  # its decoder layer's attention class (V3.2: the sparse one)
 
     def __init__(
         self,
@@ -73,7 +74,7 @@ class DeepseekMTP(nn.Module):
         self.enorm = RMSNorm(d, eps, **fk)
         self.hnorm = RMSNorm(d, eps, **fk)
         self.eh_proj = nn.Linear(2 * d, d, bias=False, **fk)
-        self.layer = DecoderLayer(config, config.num_hidden_layers, 0, parallel, **fk)
+        self.layer = DecoderLayer(config, config.num_hidden_layers, 0, parallel, **fk, attention=self.attention)
         self.shared_head = SharedHead(RMSNorm(d, eps, **fk), head)
         self.rotary = RotaryEmbedding(config, device)
 
