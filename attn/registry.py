@@ -21,6 +21,7 @@ _BACKENDS = {
     "torch_ref": "attn.backends.torch_ref:TorchRefBackend",
     "triton_mla": "attn.backends.triton_mla:TritonMLABackend",
     "flashinfer_mla": "attn.backends.flashinfer_mla:FlashInferMLABackend",
+    "flashmla": "attn.backends.flashmla:FlashMLABackend",
     "trtllm_mla": "attn.backends.blackwell.trtllm_mla:TrtllmMLABackend",
     "cutedsl_mla": "attn.backends.blackwell.cutedsl_mla:CuteDslMLABackend",
     "tokenspeed_mla": "attn.backends.blackwell.tokenspeed_mla:TokenspeedMLABackend",

@@ -1,16 +1,17 @@
-"""Paged MLA attention kernel benchmark: Triton kernel vs FlashInfer FA3 on one GPU.
+"""Paged MLA attention kernel benchmark: our Triton kernel vs FlashInfer FA3 and FlashMLA on one GPU.
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--kv-dtype fp8]
                                      [--table-tokens 131072 [--kv-bound]] [--heads 4 --q-lens 1 4 16]
 
 Every call is timed inside a CUDA graph (captured once, replayed many times, timed with CUDA events, a
-replay queued ahead of the start event so the host's launch is not timed); the two kernels' samples
-alternate, and the KV cache rotates between copies, ROTATE_BYTES a graph, so small cases do not run
+replay queued ahead of the start event so the host's launch is not timed); the three kernels' samples
+alternate (FlashMLA's columns are empty, with a printed reason, where flash_mla is missing), and the KV cache rotates between copies, ROTATE_BYTES a graph, so small cases do not run
 from L2. Roofline = max(KV bytes / measured copy bandwidth, FLOPs / PEAK_FLOPS), with KV bytes =
 tokens * 576 * 2 (--kv-dtype fp8: * 1) and FLOPs = tokens * heads * q_len * 1088 * 2. Columns beyond
-the shape and plan: err / fa3_err, each kernel's largest error on the first request's output against
-an fp32 attention, relative to the largest output value; fa3_diff, the largest difference between
-the two kernels' whole outputs, on that scale; check (output_check, check_bound); targets, the
+the shape and plan: err / fa3_err / flashmla_err, each kernel's largest error on the first request's output against
+an fp32 attention, relative to the largest output value (FlashMLA's fp8 decode takes fp8 queries, so
+its error there holds their rounding); fa3_diff, the largest difference between ours and FA3's whole
+outputs, on that scale; check (output_check, check_bound); targets, the
 issue's targets that apply to the row and whether it meets them (targets), counted after the table;
 sm_mhz and watts, the median SM clock and board power while our kernel's graph replays
 (sustained_clock). Our kernels are programmatic dependent launches (SM90+): each is set up while the
@@ -25,6 +26,7 @@ their planner on the same cases; results and their dates: docs/benchmarks.md.
 """
 import argparse
 import csv
+import importlib
 import itertools
 import math
 import re
@@ -47,7 +49,7 @@ MAX_ROTATIONS = 512  # (fp8 1 x 1k: 455 copies of 0.56 MiB)
 SM_SCALE = 192 ** -0.5
 TABLE_HEADS = (16, 128)  # the table's head counts and query lengths (--heads, --q-lens)
 TABLE_Q_LENS = (1, 4)
-ROOFLINE_TARGET_TOKENS = 128 * 1024  # batch x seq_len from which a memory-bound row has the 0.8-roofline target
+ROOFLINE_TARGET_TOKENS = 128 * 1024  # batch x seq_len below which the table's rows are latency-bound (mla_tuning)
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
@@ -243,7 +245,8 @@ class Case:
 
 
 def fa3_calls(case: Case):
-    """FA3 run() closures over the rotated caches (plan once, outside any graph), or None."""
+    """FA3 run() closures over the rotated caches (planned once, outside any graph) and a function
+    returning their output ``[T, H, 512]``."""
     from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -261,22 +264,56 @@ def fa3_calls(case: Case):
     calls = [lambda r=r: wrapper.run(query=case.q, kv_cache=case.kv_pool[r], out=out, **scales)
              for r in range(case.rotations)]
     calls[0]()
-    return calls, out, wrapper
+    return calls, lambda: out
 
 
-def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
+def flashmla_calls(case: Case):
+    """FlashMLA's dense decode (``flash_mla_with_kvcache``, legacy SM90 kernels; bf16, or its dense
+    fp8 kernel with fp8 queries and unit descales) over the same caches and block tables, causal for
+    q_len > 1, its split schedule made once outside any graph (as the flashmla backend makes it once
+    a pass); and a function returning the output ``[T, H, 512]``."""
+    from attn.backends.flashmla import load_flash_mla
+
+    flash_mla = load_flash_mla()
+    fp8 = case.kv_pool.dtype == torch.float8_e4m3fn
+    schedule, _ = flash_mla.get_mla_metadata()
+    schedule.tile_scheduler_metadata, schedule.num_splits = flash_mla.get_mla_decoding_metadata(
+        case.seq_lens, case.q_len * case.heads, 1, case.heads, is_fp8_kvcache=fp8, use_legacy=True)
+    q = case.q.view(case.batch, case.q_len, case.heads, 576)
+    descales = {}
+    if fp8:
+        q = q.to(torch.float8_e4m3fn)
+        one = torch.ones(1, dtype=torch.float32, device="cuda")
+        descales = dict(descale_q=one, descale_k=one)
+    out = []
+
+    def call(rotation: int) -> None:
+        result, _ = flash_mla.flash_mla_with_kvcache(
+            q, case.kv_pool[rotation].unsqueeze(2), case.block_tables, case.seq_lens, 512, schedule,
+            softmax_scale=SM_SCALE, causal=case.q_len > 1, is_fp8_kvcache=fp8, use_legacy=True, **descales)
+        out[:] = [result]
+
+    calls = [lambda r=r: call(r) for r in range(case.rotations)]
+    calls[0]()
+    return calls, lambda: out[0].view(case.batch * case.q_len, case.heads, 512)
+
+
+RIVALS = {"fa3": fa3_calls, "flashmla": flashmla_calls}  # name -> closures and output of each rival kernel
+NAN = float("nan")
+
+
+def bench_case(case: Case, bandwidth: float, rivals: list[str]) -> dict:
+    """One row: our kernel and each rival of ``rivals`` (RIVALS' names) timed alternately; a rival
+    that fails is left out of the row with its reason printed (its columns NaN)."""
     ours_calls = [case.triton_call(r) for r in range(case.rotations)]
-    fa3 = None
-    if with_fa3:
+    built = {}
+    for name in rivals:
         try:
-            fa3 = fa3_calls(case)
-            ours_us, *fa3_us = graph_times_us(ours_calls, fa3[0])
-        except Exception as error:  # keep the Triton numbers; say why FA3 has none
-            print(f"FA3 failed: {type(error).__name__}: {error}")
-            fa3 = None
-    if fa3 is None:
-        ours_us = graph_time_us(ours_calls)
-    # Both graphs end with the last rotation: check the outputs their replays left.
+            built[name] = RIVALS[name](case)
+        except Exception as error:  # keep the other numbers; say why this one has none
+            print(f"{name} failed: {type(error).__name__}: {error}")
+    ours_us, *rival_us = graph_times_us(ours_calls, *(calls for calls, _ in built.values()))
+    # Every graph ends with the last rotation: check the outputs their replays left.
     last = case.reference(case.rotations - 1)
     scale = last.abs().max().item()
 
@@ -289,15 +326,17 @@ def bench_case(case: Case, bandwidth: float, with_fa3: bool) -> dict:
     roof_us = max(memory_s, compute_s) * 1e6
     row = dict(case.plan_fields(), triton_us=ours_us, gb_s=case.kv_bytes / ours_us / 1e3, roofline_us=roof_us,
                frac_roofline=roof_us / ours_us, bound="memory" if memory_bound else "compute",
-               sm_mhz=float("nan"), watts=float("nan"), fa3_us=float("nan"), fa3_frac=float("nan"),
-               speedup_vs_fa3=float("nan"), err=err, fa3_err=float("nan"), fa3_diff=float("nan"))
-    if fa3:
-        row.update(fa3_us=fa3_us[0], fa3_frac=roof_us / fa3_us[0], speedup_vs_fa3=fa3_us[0] / ours_us,
-                   fa3_err=relative_error(fa3[1]),
-                   fa3_diff=(case.out.float() - fa3[1].float()).abs().max().item() / scale)
-    row["check"] = output_check(err, row["fa3_err"], row["fa3_diff"], fa3 is not None)
-    row["targets"] = targets(row, case.batch * case.seq_len, memory_bound)
-    # Last: its half second at full load must not heat the board for either timing.
+               sm_mhz=NAN, watts=NAN, err=err, fa3_diff=NAN)
+    for name in RIVALS:
+        row.update({f"{name}_us": NAN, f"{name}_frac": NAN, f"speedup_vs_{name}": NAN, f"{name}_err": NAN})
+    for (name, (_, output)), us in zip(built.items(), rival_us):
+        row.update({f"{name}_us": us, f"{name}_frac": roof_us / us, f"speedup_vs_{name}": us / ours_us,
+                    f"{name}_err": relative_error(output())})
+    if "fa3" in built:
+        row["fa3_diff"] = (case.out.float() - built["fa3"][1]().float()).abs().max().item() / scale
+    row["check"] = output_check(err, row["fa3_err"], row["fa3_diff"], "fa3" in built)
+    row["targets"] = targets(row)
+    # Last: its half second at full load must not heat the board for any timing.
     row["sm_mhz"], row["watts"] = sustained_clock(ours_calls)
     return row
 
@@ -316,16 +355,10 @@ def output_check(err: float, fa3_err: float, fa3_diff: float, with_fa3: bool) ->
     return "ok" if err <= bound and (not with_fa3 or fa3_diff <= 2 * bound) else "BAD"
 
 
-def targets(row: dict, tokens: int, memory_bound: bool) -> str:
-    """The issue's targets that apply to a row, each ``name:yes`` or ``name:no``: 2x FA3 where FA3
-    is below 0.4 of the roofline at q_len 1-4 (the issue's), else 0.9x FA3 (neither without FA3),
-    and 0.8 of the roofline where the shape is memory-bound and batch x seq_len >= 128k tokens."""
-    met = []
-    if not math.isnan(row["fa3_frac"]):
-        need = 2.0 if row["fa3_frac"] < 0.4 and row["q_len"] <= 4 else 0.9
-        met.append((f"{need:g}x", row["speedup_vs_fa3"] >= need))
-    if memory_bound and tokens >= ROOFLINE_TARGET_TOKENS:
-        met.append(("0.8roof", row["frac_roofline"] >= 0.8))
+def targets(row: dict) -> str:
+    """The issue's targets that apply to a row, each ``name:yes`` or ``name:no``: at least the speed
+    of FA3 (``fa3``) and of FlashMLA (``flashmla``), each where it ran."""
+    met = [(name, row[f"speedup_vs_{name}"] >= 1.0) for name in RIVALS if not math.isnan(row[f"speedup_vs_{name}"])]
     return " ".join(f"{name}:{'yes' if ok else 'no'}" for name, ok in met) or "-"
 
 
@@ -333,8 +366,10 @@ COLUMNS = [("batch", "{:>5}"), ("seq_len", "{:>7}"), ("q_len", "{:>5}"), ("heads
            ("splits", "{:>6}"), ("kernel", "{:>6}"),
            ("triton_us", "{:>9.1f}"), ("gb_s", "{:>7.0f}"), ("roofline_us", "{:>11.1f}"),
            ("frac_roofline", "{:>13.2f}"), ("bound", "{:>7}"), ("sm_mhz", "{:>6.0f}"), ("watts", "{:>5.0f}"),
-           ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.3f}"), ("speedup_vs_fa3", "{:>14.2f}"), ("err", "{:>7.4f}"),
-           ("fa3_err", "{:>7.4f}"), ("fa3_diff", "{:>8.4f}"), ("check", "{:>5}"), ("targets", "{:<17}")]
+           ("fa3_us", "{:>8.1f}"), ("fa3_frac", "{:>8.3f}"), ("speedup_vs_fa3", "{:>14.2f}"),
+           ("flashmla_us", "{:>11.1f}"), ("flashmla_frac", "{:>13.3f}"), ("speedup_vs_flashmla", "{:>19.2f}"),
+           ("err", "{:>7.4f}"), ("fa3_err", "{:>7.4f}"), ("flashmla_err", "{:>12.4f}"), ("fa3_diff", "{:>8.4f}"),
+           ("check", "{:>5}"), ("targets", "{:<22}")]
 
 
 
@@ -355,15 +390,17 @@ def plot(rows: list[dict], path: Path, kv_dtype: str, device_name: str) -> None:
     labels = [f"b{r['batch']} s{r['seq_len'] // 1024}k q{r['q_len']} h{r['heads']}" for r in rows]
     x = range(len(rows))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(12, len(rows) * 0.35), 9), sharex=True)
-    top.bar([i - 0.2 for i in x], [r["frac_roofline"] for r in rows], width=0.4, label="ours (Triton / Gluon wgmma)")
-    top.bar([i + 0.2 for i in x], [r["fa3_frac"] for r in rows], width=0.4, label="FlashInfer FA3")
-    top.axhline(0.8, color="gray", linestyle="--", linewidth=0.8)
+    kernels = [("frac_roofline", "ours (Triton / Gluon wgmma)"), ("fa3_frac", "FlashInfer FA3"),
+               ("flashmla_frac", "FlashMLA")]
+    for k, (column, label) in enumerate(kernels):
+        top.bar([i + (k - 1) * 0.27 for i in x], [r[column] for r in rows], width=0.27, label=label)
     top.set_ylabel("fraction of roofline")
     top.legend()
-    bottom.bar(list(x), [r["speedup_vs_fa3"] for r in rows], color="tab:green")
-    for level in (0.9, 1.0, 2.0):
-        bottom.axhline(level, color="gray", linestyle="--", linewidth=0.8)
-    bottom.set_ylabel("speedup vs FA3 (FA3 us / Triton us)")
+    for k, (name, label) in enumerate([("fa3", "vs FA3"), ("flashmla", "vs FlashMLA")]):
+        bottom.bar([i + (k - 0.5) * 0.4 for i in x], [r[f"speedup_vs_{name}"] for r in rows], width=0.4, label=label)
+    bottom.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    bottom.set_ylabel("speedup (their us / ours)")
+    bottom.legend()
     bottom.set_xticks(list(x))
     bottom.set_xticklabels(labels, rotation=90, fontsize=7)
     fig.suptitle(f"Paged MLA attention, page {PAGE_SIZE}, {kv_dtype} cache, CUDA graphs "
@@ -406,13 +443,15 @@ def main() -> None:
         print(f"block tables {args.table_tokens} tokens wide")
     if args.kv_bound:
         print("each shape planned for the smallest kv_plan_bounds bound that holds its seq_len")
-    try:
-        import flashinfer.mla  # noqa: F401
-
-        with_fa3 = True
-    except ImportError as error:
-        with_fa3 = False
-        print(f"note: flashinfer not importable ({error}); FA3 columns are empty")
+    rivals = []
+    for name, probe in (("fa3", "flashinfer.mla"), ("flashmla", "attn.backends.flashmla")):
+        try:
+            module = importlib.import_module(probe)
+            if name == "flashmla":
+                module.load_flash_mla()
+            rivals.append(name)
+        except ImportError as error:
+            print(f"note: {name} not importable ({error}); its columns are empty")
 
     if args.quick:
         shapes = [(1, 1024, 1, 16), (1, 16384, 1, 16), (128, 16384, 1, 16), (32, 4096, 4, 128)]
@@ -425,10 +464,10 @@ def main() -> None:
         case = Case(*shape, kv_dtype=KV_DTYPES[args.kv_dtype], table_tokens=args.table_tokens)
         if args.kv_bound:
             case.bound_by_plans()
-        rows.append(bench_case(case, bandwidth, with_fa3))
-        if with_fa3 and math.isnan(rows[-1]["fa3_us"]):  # e.g. a cache dtype FA3 does not take
-            with_fa3 = False
-            print("note: FA3 failed (above); its columns stay empty for the remaining shapes")
+        rows.append(bench_case(case, bandwidth, rivals))
+        for name in [name for name in rivals if math.isnan(rows[-1][f"{name}_us"])]:  # e.g. a dtype it does not take
+            rivals.remove(name)
+            print(f"note: {name} failed (above); its columns stay empty for the remaining shapes")
         print_row(rows[-1])
         del case
         torch.cuda.empty_cache()

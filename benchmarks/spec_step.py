@@ -133,7 +133,7 @@ def time_steps(worker: EagleWorker, prompts: list[list[int]], steps: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backends", default="triton_mla,torch_ref,flashinfer_mla")
+    ap.add_argument("--backends", default="triton_mla,torch_ref,flashinfer_mla,flashmla")
     ap.add_argument("--batch-sizes", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=512)

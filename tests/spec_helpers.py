@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from attn.backends.torch_ref import paged_mla_reference
@@ -62,6 +63,13 @@ def drain(worker) -> None:
     """Step until every request has finished."""
     while worker.requests:
         worker.step()
+
+
+def needs_library(backend: str) -> None:
+    """Skip unless ``backend``'s kernel library imports: flash_mla (the sgl-flash-mla wheel) is
+    outside CI's install."""
+    if backend == "flashmla":
+        pytest.importorskip("flash_mla", reason="flashmla needs the sgl-flash-mla wheel")
 
 
 def reference(target, groups, **kwargs) -> list[list[int]]:
@@ -129,3 +137,22 @@ def kernel_errors(monkeypatch, backend: str, tail_rows: int | None = None) -> li
     monkeypatch.setattr(cls, "_run_decode_kernel", checked_decode)
     monkeypatch.setattr(cls, "_run_prefill_kernel", checked_prefill)
     return errors
+
+
+def documented_decode(query, kv_cache, block_tables, seq_lens, qk_scale, out_scale):
+    """What the MLA decode libraries (FlashInfer's trtllm-gen, tokenspeed-mla, FlashMLA) document: query ``[B, q_len, H, 576]`` and kv
+    ``[pages, (1,) page_size, 576]`` in one dtype, read as stored; row i of a request of kv length
+    L sees kv positions < L - q_len + i + 1; out = out_scale * softmax(qk_scale * q.k) . v, with v
+    the first 512 columns; ``[B, q_len, H, 512]`` bf16."""
+    assert query.dtype == kv_cache.dtype
+    pages = kv_cache.reshape(kv_cache.shape[0], -1, 576).float()
+    bs, q_len = query.shape[:2]
+    out = torch.empty(*query.shape[:3], 512)
+    for b in range(bs):
+        length = int(seq_lens[b])
+        kv = pages[block_tables[b].long()].reshape(-1, 576)[:length]
+        for i in range(q_len):
+            seen = kv[: length - q_len + i + 1]
+            weights = torch.softmax(qk_scale * query[b, i].float() @ seen.T, dim=-1)
+            out[b, i] = out_scale * weights @ seen[:, :512]
+    return out.to(torch.bfloat16)

@@ -19,7 +19,7 @@ from specdec.baseline import greedy_generate
 from specdec.config import ConfigError, SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.worker import EagleWorker
-from spec_helpers import make_models, prompts, reference, run_to_completion
+from spec_helpers import documented_decode, make_models, prompts, reference, run_to_completion
 
 BLACKWELL = (TrtllmMLABackend, CuteDslMLABackend, TokenspeedMLABackend)
 
@@ -162,25 +162,6 @@ def test_flashinfer_call_binds_to_the_installed_signature(monkeypatch, cls):
         assert counters[0].numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(2, 16, 148)
     else:
         assert counters == [None, None]
-
-
-def documented_decode(query, kv_cache, block_tables, seq_lens, qk_scale, out_scale):
-    """What both libraries document for their MLA decode: query ``[B, q_len, H, 576]`` and kv
-    ``[pages, (1,) page_size, 576]`` in one dtype, read as stored; row i of a request of kv length
-    L sees kv positions < L - q_len + i + 1; out = out_scale * softmax(qk_scale * q.k) . v, with v
-    the first 512 columns; ``[B, q_len, H, 512]`` bf16."""
-    assert query.dtype == kv_cache.dtype
-    pages = kv_cache.reshape(kv_cache.shape[0], -1, 576).float()
-    bs, q_len = query.shape[:2]
-    out = torch.empty(*query.shape[:3], 512)
-    for b in range(bs):
-        length = int(seq_lens[b])
-        kv = pages[block_tables[b].long()].reshape(-1, 576)[:length]
-        for i in range(q_len):
-            seen = kv[: length - q_len + i + 1]
-            weights = torch.softmax(qk_scale * query[b, i].float() @ seen.T, dim=-1)
-            out[b, i] = out_scale * weights @ seen[:, :512]
-    return out.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("cls,kv_dtype", [(TrtllmMLABackend, torch.bfloat16), (TrtllmMLABackend, torch.float8_e4m3fn),

@@ -14,7 +14,7 @@ from specdec.batch import extend_batch, uniform_batch
 from specdec.config import ConfigError, SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.worker import EagleWorker
-from spec_helpers import VOCAB, kernel_errors, make_models, prompts, reference, run_to_completion
+from spec_helpers import VOCAB, kernel_errors, make_models, needs_library, prompts, reference, run_to_completion
 
 pytestmark = pytest.mark.gpu
 ATOL = 2e-2  # bf16 cache and queries, fp32 accumulation
@@ -34,13 +34,14 @@ def filled_pool(page_size=64, lens=(37, 300, 1000), dtype=torch.bfloat16, kv_sca
 
 
 def compare(backend_name, batch_fn, heads=16, page_size=64, dtype=torch.bfloat16, kv_scale=1.0, spread=0.5,
-            atol=ATOL, rtol=0.0):
+            atol=ATOL, rtol=0.0, q_dtype=torch.bfloat16):
     """One forward of ``backend_name`` against torch_ref's over the same pool and inputs (the new
-    tokens' kv at the pool's scale)."""
+    tokens' kv at the pool's scale; queries of values ``q_dtype`` holds, in bf16)."""
+    needs_library(backend_name)
     pool, rows, lens = filled_pool(page_size, dtype=dtype, kv_scale=kv_scale, spread=spread)
     spec = LayerSpec(num_heads=heads, sm_scale=192**-0.5)
     batch = batch_fn(pool, rows, lens)
-    q = torch.randn(batch.num_tokens, heads, 576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch.num_tokens, heads, 576, device="cuda").to(q_dtype).to(torch.bfloat16)
     kv_new = torch.randn(batch.num_tokens, 576, device="cuda", dtype=torch.bfloat16) * kv_scale
     outs = []
     for name in ("torch_ref", backend_name):
@@ -64,7 +65,7 @@ def _extend(pool, rows, lens):
     return extend_batch(pool.req_to_token, rows, [n - q for n, q in zip(lens, q_lens)], q_lens)
 
 
-@pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla"])
+@pytest.mark.parametrize("backend", ["flashinfer_mla", "triton_mla", "flashmla"])
 @pytest.mark.parametrize("mode,batch_fn", [
     ("decode", _uniform(ForwardMode.DECODE, 1)),
     ("verify", _uniform(ForwardMode.TARGET_VERIFY, 4)),
@@ -72,7 +73,16 @@ def _extend(pool, rows, lens):
     ("prefill", _extend),
 ])
 def test_matches_torch_ref(backend, mode, batch_fn):
+    if backend == "flashmla" and mode == "prefill":
+        pytest.skip("flashmla has no prefill kernel (triton_mla serves it)")
     compare(backend, batch_fn)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+def test_flashmla_matches_torch_ref_at_head_counts(heads, q_len):
+    """FlashMLA's dense decode at a TP8 rank's 16 heads and DeepSeek's 128, decode and verify chains."""
+    compare("flashmla", _uniform(ForwardMode.TARGET_VERIFY, q_len), heads=heads)
 
 
 def _strided_metadata(pool, rows, lens):
@@ -133,11 +143,14 @@ def test_flashinfer_device_schedule_equals_its_host_plan(heads, q_len, lens):
     assert torch.equal(device_planned, host_planned)
 
 
-@pytest.mark.parametrize("backend,topk,ndt", [("flashinfer_mla", 1, None), ("triton_mla", 1, None), ("triton_mla", 2, 6), ("triton_mla", 3, 8)])
+@pytest.mark.parametrize("backend,topk,ndt", [("flashinfer_mla", 1, None), ("triton_mla", 1, None), ("triton_mla", 2, 6),
+                                             ("triton_mla", 3, 8), ("flashmla", 1, None)])
 def test_worker_lossless(backend, topk, ndt):
+    needs_library(backend)
     target, mtp = make_models("cuda", torch.float32)
-    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16", page_size=16,
-                     max_batch_size=5, max_context_len=256)
+    page_size = 64 if backend == "flashmla" else 16
+    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16",
+                     page_size=page_size, max_batch_size=5, max_context_len=256)
     worker = EagleWorker(target, mtp, cfg)
     backends = [worker.verify_backend, worker.draft_extend_backend, worker.target_prefill_backend,
                 *worker.draft_backend.steps]
@@ -145,27 +158,39 @@ def test_worker_lossless(backend, topk, ndt):
         assert len({b.workspace.data_ptr() for b in backends}) == 1
     groups = [(prompts(3, seed=4), 24), (prompts(2, seed=5), 16)]
     outputs, _ = run_to_completion(worker, groups)
-    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
+    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16, page_size=page_size)
 
 
 @pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("kv_scale", [0.25, 4.0])
-def test_triton_mla_over_a_scaled_fp8_pool_matches_torch_ref(q_len, kv_scale):
-    """Verify passes over an fp8_e4m3 pool with a kv_scale: triton_mla against torch_ref."""
-    compare("triton_mla", _uniform(ForwardMode.TARGET_VERIFY, q_len), dtype=torch.float8_e4m3fn, kv_scale=kv_scale,
-            spread=2.0, atol=2e-2 * max(kv_scale, 1.0), rtol=2e-2)
+@pytest.mark.parametrize("backend", ["triton_mla", "flashmla"])
+def test_over_a_scaled_fp8_pool_matches_torch_ref(backend, q_len, kv_scale):
+    """Verify passes over an fp8_e4m3 pool with a kv_scale against torch_ref. flashmla's dense fp8
+    kernel takes fp8 queries (here they hold fp8 values, so its cast loses nothing) and, its wgmma
+    taking fp8 on both sides, rounds the softmax weights to fp8 for the second product: 6e-2, not
+    triton_mla's 2e-2 relative (which widens the cache to 16 bits), and 0.1 x kv_scale absolute, on
+    outputs of up to ~25 x kv_scale."""
+    fp8_q = backend == "flashmla"
+    atol, rtol = (1e-1, 6e-2) if fp8_q else (2e-2, 2e-2)
+    compare(backend, _uniform(ForwardMode.TARGET_VERIFY, q_len), dtype=torch.float8_e4m3fn, kv_scale=kv_scale,
+            spread=2.0, atol=atol * max(kv_scale, 1.0), rtol=rtol,
+            q_dtype=torch.float8_e4m3fn if fp8_q else torch.bfloat16)
 
 
 @pytest.mark.parametrize("kv_scale", [1.0, 0.25])
-def test_worker_lossless_over_an_fp8_cache(kv_scale):
-    """triton_mla over an fp8_e4m3 cache with a per-tensor scale: the greedy outputs are the
-    target-only ones over the same cache."""
+@pytest.mark.parametrize("backend", ["triton_mla", "flashmla"])
+def test_worker_lossless_over_an_fp8_cache(backend, kv_scale):
+    """Over an fp8_e4m3 cache with a per-tensor scale the greedy outputs are the target-only ones
+    over the same cache and backend."""
+    needs_library(backend)
     target, mtp = make_models("cuda", torch.float32)
-    cfg = SpecConfig(num_steps=3, attention_backend="triton_mla", kv_dtype="fp8_e4m3", kv_scale=kv_scale,
-                     page_size=16, max_batch_size=5, max_context_len=256)
+    page_size = 64 if backend == "flashmla" else 16
+    cfg = SpecConfig(num_steps=3, attention_backend=backend, kv_dtype="fp8_e4m3", kv_scale=kv_scale,
+                     page_size=page_size, max_batch_size=5, max_context_len=256)
     groups = [(prompts(3, seed=4), 24), (prompts(2, seed=5), 16)]
     outputs, _ = run_to_completion(EagleWorker(target, mtp, cfg), groups)
-    assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.float8_e4m3fn, kv_scale=kv_scale)
+    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.float8_e4m3fn, kv_scale=kv_scale,
+                                page_size=page_size)
 
 
 @pytest.mark.parametrize("backend", ["trtllm_mla", "cutedsl_mla", "tokenspeed_mla"])
@@ -174,7 +199,7 @@ def test_blackwell_backends_refused_on_hopper(backend):
         pytest.skip("this is a Blackwell GPU")
     target, mtp = make_models("cuda", torch.bfloat16)
     cfg = SpecConfig(attention_backend=backend, kv_dtype="fp8_e4m3", page_size=64)
-    with pytest.raises(ConfigError, match=f"{backend} .*needs a SM10\\S* GPU.*set attention_backend to one that runs here: \\['flashinfer_mla', 'torch_ref', 'triton_mla'\\]"):
+    with pytest.raises(ConfigError, match=f"{backend} .*needs a SM10\\S* GPU.*set attention_backend to one that runs here: \\['flashinfer_mla', 'flashmla', 'torch_ref', 'triton_mla'\\]"):
         EagleWorker(target, mtp, cfg)
 
 

@@ -24,7 +24,7 @@ from specdec.sampling import SamplingParams
 from specdec.state import DecodeState
 from specdec.kv import PADDING_ROW
 from specdec.worker import EagleWorker
-from spec_helpers import VOCAB, make_models, prompts, reference, run_to_completion, tiny_config
+from spec_helpers import VOCAB, make_models, needs_library, prompts, reference, run_to_completion, tiny_config
 
 
 def test_buckets():
@@ -146,14 +146,21 @@ def test_a_step_replays_the_smallest_kv_bound_holding_its_longest_request():
         assert GraphRunner.kv_bound(runner, 4, longest) == bound and GraphRunner.kv_bound(runner, 1, longest) is None
 
 
-GPU_BACKENDS = ["torch_ref", "triton_mla", "flashinfer_mla"]
+GPU_BACKENDS = ["torch_ref", "triton_mla", "flashinfer_mla", "flashmla"]
+
+
+def page_size_of(backend: str) -> int:
+    """The tests' page size: FlashMLA's kernel takes pages of 64 only; 16 spans pages in a pass elsewhere."""
+    return 64 if backend == "flashmla" else 16
 
 
 def gpu_worker(backend, topk=1, num_steps=3, ndt=None, max_bs=4, device="cuda", draft_mode="eagle", **config):
+    needs_library(backend)
     target, mtp = make_models(device, torch.float32)
     draft = StandaloneDraft(target) if draft_mode == "standalone" else mtp
     cfg = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype="bf16",
-                     page_size=16, max_batch_size=max_bs, max_context_len=256, draft_mode=draft_mode, **config)
+                     page_size=page_size_of(backend), max_batch_size=max_bs, max_context_len=256, draft_mode=draft_mode,
+                     **config)
     return target, EagleWorker(target, draft, cfg)
 
 
@@ -247,7 +254,7 @@ def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
     worker.capture_graphs([1, 2, 4, 6], progress=False)
     groups = [(prompts(2, seed=1), 40), (prompts(3, seed=2), 25), (prompts(1, seed=3), 30)]
     outputs, _ = run_to_completion(worker, groups, join_every=5)
-    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16)
+    assert outputs == reference(target, groups, backend=backend, kv_dtype=torch.bfloat16, page_size=page_size_of(backend))
     assert worker.target_pool.num_free_pages == worker.config.pool_pages - 1
 
 
@@ -256,9 +263,10 @@ def test_long_run_with_graphs_is_lossless(backend, topk, ndt):
 def test_graphed_target_only_decoding_equals_eager(backend):
     """The graphed baseline the benchmarks and the example time (GreedyDecoder(cuda_graph=True):
     an eager step, a capturing one, then replays) decodes what eager decoding does."""
+    needs_library(backend)
     target, _ = make_models("cuda", torch.float32)
     group = prompts(3, seed=5)
-    kwargs = dict(backend=backend, page_size=16, kv_dtype=torch.bfloat16)
+    kwargs = dict(backend=backend, page_size=page_size_of(backend), kv_dtype=torch.bfloat16)
     decoder = GreedyDecoder(target, group, 20, cuda_graph=True, **kwargs)
     for _ in range(19):
         decoder.step()
@@ -438,13 +446,14 @@ def test_a_second_runner_holds_no_more_cublas_workspace():
 
 
 def _skip_trees_without_masks(backend, topk):
-    if topk > 1 and backend == "flashinfer_mla":
-        pytest.skip("flashinfer_mla has no tree masks")
+    if topk > 1 and backend in ("flashinfer_mla", "flashmla"):
+        pytest.skip(f"{backend} has no tree masks")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,graphs,topk", [("triton_mla", False, 2), ("triton_mla", True, 2),
-                                                    ("flashinfer_mla", False, 1), ("flashinfer_mla", True, 1)])
+                                                    ("flashinfer_mla", False, 1), ("flashinfer_mla", True, 1),
+                                                    ("flashmla", False, 1), ("flashmla", True, 1)])
 def test_whole_step_has_no_host_sync(backend, graphs, topk):
     """Steps with a join and page growth in between: launch_step (pages, inputs, draft, tree,
     verify, accept, KV commit, draft-extend) never syncs, eager or graphed."""

@@ -403,8 +403,8 @@ def test_out_of_pages_mid_run_recovers_by_abort(target, mtp):
 
 
 def test_unknown_backend_is_a_config_error():
-    with pytest.raises(ConfigError, match="attention_backend must be one of .*got 'flashmla'"):
-        SpecConfig(attention_backend="flashmla")
+    with pytest.raises(ConfigError, match="attention_backend must be one of .*got 'flash_mla'"):
+        SpecConfig(attention_backend="flash_mla")
 
 
 @pytest.mark.parametrize("enable_sampling", [False, True])
