@@ -5,7 +5,7 @@ counted from the config alone, so the floor does not depend on how the model pac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 
 from attn.base import KV_DIM
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
+from specdec.parallel import SINGLE, Parallel
 
 VARIANTS = ("dense", "moe")
 INIT_STD = 0.02
@@ -57,13 +58,26 @@ def init_random_(params: Sequence[nn.Parameter], std: float = INIT_STD) -> None:
             p.fill_(1.0)
 
 
-def build_models(cfg: DeepseekV3Config, dtype: torch.dtype, device: str) -> tuple[DeepseekV3ForCausalLM, DeepseekMTP]:
+def rank_config(cfg: DeepseekV3Config, tp: int) -> DeepseekV3Config:
+    """What one of ``tp`` tensor-parallel ranks of ``cfg`` holds, as a config: 1/tp of the heads,
+    of every MLP's and expert's intermediate and of the vocabulary (the latent projections, norms,
+    routers and the KV rows stay whole), so the floor's accounting counts a rank's bytes. E.g. the
+    rank slice at tp 2: 8 heads, intermediate 1152, experts of 128, vocabulary 8080."""
+    if tp == 1:
+        return cfg
+    return replace(cfg, num_attention_heads=cfg.num_attention_heads // tp, intermediate_size=cfg.intermediate_size // tp,
+                   moe_intermediate_size=cfg.moe_intermediate_size // tp, vocab_size=cfg.vocab_size // tp)
+
+
+def build_models(cfg: DeepseekV3Config, dtype: torch.dtype, device: str,
+                 parallel: Parallel = SINGLE) -> tuple[DeepseekV3ForCausalLM, DeepseekMTP]:
     """The target and its MTP draft (embedding and head shared with the target), random weights
-    initialised where they live (init_random_), in eval mode."""
+    initialised where they live (init_random_), in eval mode; ``parallel``: this rank's shard.
+    Every rank draws the same numbers (equal shards, one seed), so replicated weights agree."""
     torch.manual_seed(0)
-    target = DeepseekV3ForCausalLM(cfg, dtype=dtype, device=device).eval()
+    target = DeepseekV3ForCausalLM(cfg, dtype=dtype, device=device, parallel=parallel).eval()
     init_random_(list(target.parameters()))
-    draft = DeepseekMTP(cfg, target=target, dtype=dtype, device=device).eval()
+    draft = DeepseekMTP(cfg, target=target, dtype=dtype, device=device, parallel=parallel).eval()
     init_random_(own_parameters(draft, target))
     return target, draft
 
@@ -133,9 +147,10 @@ def mtp_params(cfg: DeepseekV3Config) -> int:
     return 3 * d + 2 * d * d + layer_params(cfg, cfg.num_hidden_layers)
 
 
-def check_param_counts(target: nn.Module, draft: nn.Module) -> Optional[str]:
-    """None where the built models hold the parameters the floor counts, else what differs."""
-    cfg = target.config
+def check_param_counts(target: nn.Module, draft: nn.Module, tp: int = 1) -> Optional[str]:
+    """None where the built models (one of ``tp`` ranks' shards) hold the parameters the floor
+    counts, else what differs."""
+    cfg = rank_config(target.config, tp)
     got = (sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own_parameters(draft, target)))
     want = (target_params(cfg), mtp_params(cfg))
     if got == want:

@@ -4,6 +4,7 @@
     python -m benchmarks.scale --variants moe --backends triton_mla --batches 1,8 --append
     python -m benchmarks.scale --merge dense.csv moe.csv --csv benchmarks/results/scale.csv   # no GPU: CSVs + PNG
     python -m benchmarks.scale --smoke --csv /tmp/scale_smoke.csv   # tiny dims on the CPU, eager, no timing claims
+    torchrun --nproc-per-node 2 -m benchmarks.scale --tp 2 --csv benchmarks/results/scale_tp2.csv   # 2 GPUs (NCCL)
 
 The model is the slice of DeepSeek-V3 one of eight tensor-parallel ranks holds (16 of 128 heads, 1/8
 of every MLP and expert, 1/8 of the vocabulary), built on the GPU with random bf16 weights (no
@@ -28,6 +29,13 @@ shape), the embedding rows, the final norm and LM head, and the KV: (N + the pas
 576 a request a layer, N the requests' mean KV length while timed. A spec step reads the target's
 verify pass and num_steps passes of the MTP layer (num_steps - 1 draft steps and draft-extend),
 each with the (shared) head.
+
+--tp N (under torchrun --nproc-per-node N; NCCL on GPUs, gloo with --smoke): the same slice
+sharded over N ranks (heads, MLP and expert intermediates, vocabulary: rank_config), one worker a
+rank in lockstep; each rank's floor counts the bytes it holds, and ``target_comm_us`` /
+``spec_comm_us`` are the step's collectives (CollectiveTap over its eager step; each kind timed
+alone, collectives_us). Rank 0 prints and writes; kernel counts are left empty (a rank's layer
+adds its two all-reduces to the tp 1 count).
 
 Also: kernels a layer launches (LayerKernels: torch.profiler over one eager call of the first
 dense and the first MoE decoder layer at the decode shape, in a child process on a 4-layer copy of
@@ -58,13 +66,16 @@ from torch import nn
 
 from benchmarks.rank_slice import (
     VARIANTS, Pass, build_models, check_param_counts, floor_us, moe_blocks, moe_layer_ids, own_parameters, param_bytes,
-    rank_slice_config, step_floor_bytes,
+    rank_config, rank_slice_config, step_floor_bytes,
 )
-from benchmarks.scale_probes import LayerKernels, PassTap, RouterTap, StepClock, read_bandwidth, tapped_passes
+from benchmarks.scale_probes import (
+    CollectiveTap, LayerKernels, PassTap, RouterTap, StepClock, collectives_us, read_bandwidth, tapped_passes,
+)
 from benchmarks.scale_report import plot_or_say_why, read_csv, row_key, table_line, write_csv
 from specdec.baseline import GreedyDecoder
 from specdec.config import ConfigError, SpecConfig
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
+from specdec.parallel import SINGLE, Parallel
 from specdec.worker import EagleWorker
 
 PAGE_SIZE = 64
@@ -93,10 +104,20 @@ class Setup:
     warmup: int
     num_steps: int
     num_draft_tokens: int
+    parallel: Parallel = SINGLE
 
     @property
     def cfg(self) -> DeepseekV3Config:
         return self.target.config
+
+    @property
+    def rank_cfg(self) -> DeepseekV3Config:
+        """What this rank holds, for its floor (rank_config)."""
+        return rank_config(self.cfg, self.parallel.size)
+
+    @property
+    def device(self) -> str:
+        return str(next(self.target.parameters()).device)
 
     @property
     def weight_bytes(self) -> int:
@@ -137,13 +158,13 @@ def measure_target(s: Setup, backend: str, prompts: list[list[int]]) -> dict:
     times = s.clock.times_us(decoder.step, None, s.iters, s.warmup)
     kv_len = n0 + s.warmup + (s.iters - 1) / 2  # the timed steps' mean N
     blocks, _ = moe_blocks(s.target, s.draft)
-    with RouterTap(blocks) as routers, PassTap(s.target) as passes:
+    with RouterTap(blocks) as routers, PassTap(s.target) as passes, CollectiveTap() as comm:
         decoder.run.decode(decoder.token, decoder.seq_lens)  # writes the KV the next step would rewrite
     tapped, measured = tapped_passes("target", passes, routers, s.cfg)
-    floor = step_floor_bytes(s.cfg, tapped, bs, kv_len, s.weight_bytes, decoder.run.pool.kv_buffers[0].element_size())
+    floor = step_floor_bytes(s.rank_cfg, tapped, bs, kv_len, s.weight_bytes, decoder.run.pool.kv_buffers[0].element_size())
     out = {"target_us": statistics.median(times), "target_floor_us": floor_us(floor, s.bandwidth),
            "target_floor_gb": floor / 1e9, "target_kv_len": kv_len, "target_experts": _mean_experts(tapped),
-           "experts_measured": measured,
+           "experts_measured": measured, "target_comm_us": collectives_us(s.parallel, comm.calls, s.device),
            "target_kv_gb": pool_bytes(decoder.run.pool) / 1e9,
            "target_graph_mib": (after[0] - before[0]) / MIB, "target_graph_reserved_mib": (after[1] - before[1]) / MIB}
     del decoder
@@ -248,7 +269,7 @@ def measure_spec(s: Setup, cfg: SpecConfig, prompts: list[list[int]], max_new_to
     worker.add_requests(prompts, max_new_tokens=max_new_tokens)
     target_blocks, draft_blocks = moe_blocks(s.target, s.draft)
     with RouterTap(target_blocks) as t_routers, RouterTap(draft_blocks) as d_routers, \
-            PassTap(s.target) as t_passes, PassTap(s.draft) as d_passes:
+            PassTap(s.target) as t_passes, PassTap(s.draft) as d_passes, CollectiveTap() as comm:
         worker.step()
     verify, measured = tapped_passes("target", t_passes, t_routers, s.cfg)
     drafts, d_measured = tapped_passes("mtp", d_passes, d_routers, s.cfg)
@@ -264,12 +285,13 @@ def measure_spec(s: Setup, cfg: SpecConfig, prompts: list[list[int]], max_new_to
         raise RuntimeError(f"{len(prompts) - len(worker.requests)} requests finished while timed: raise max_new_tokens")
     kv_len = (n_before + statistics.mean(r.seq_len for r in worker.requests)) / 2
     kv_bytes = worker.target_pool.kv_buffers[0].element_size()
-    floor = step_floor_bytes(s.cfg, verify + drafts, len(prompts), kv_len, s.weight_bytes, kv_bytes)
+    floor = step_floor_bytes(s.rank_cfg, verify + drafts, len(prompts), kv_len, s.weight_bytes, kv_bytes)
     out = {"spec_us": statistics.median(times), "spec_floor_us": floor_us(floor, s.bandwidth),
            "spec_floor_gb": floor / 1e9, "verify_tokens": sum(p.tokens for p in verify),
            "draft_passes": len(drafts), "draft_tokens": sum(p.tokens for p in drafts),
            "verify_experts": _mean_experts(verify), "draft_experts": _mean_experts(drafts),
            "experts_measured": measured and d_measured, "spec_kv_len": kv_len,
+           "spec_comm_us": collectives_us(s.parallel, comm.calls, s.device),
            "spec_kv_gb": (pool_bytes(worker.target_pool) + pool_bytes(worker.draft_pool)) / 1e9,
            "captured_steps": len(runner.captured) if runner is not None else 0,
            "graph_mib": (after[0] - before[0]) / MIB, "graph_reserved_mib": (after[1] - before[1]) / MIB}
@@ -282,7 +304,7 @@ def combine(s: Setup, backend: str, batch: int, topk: int, cfg: SpecConfig, targ
     """One CSV row (COLUMNS first, then the detail columns); kernels: layer_kernels' counts."""
     dense, moe = kernels.get("dense", math.nan), kernels.get("moe", math.nan)
     return {
-        "variant": s.variant, "backend": backend, "batch": batch, "topk": topk, "num_steps": cfg.num_steps,
+        "variant": s.variant, "backend": backend, "tp": s.parallel.size, "batch": batch, "topk": topk, "num_steps": cfg.num_steps,
         "num_draft_tokens": cfg.num_draft_tokens,
         "target_us": target["target_us"], "spec_us": spec["spec_us"],
         "target_floor_frac": target["target_floor_us"] / target["target_us"],
@@ -299,6 +321,7 @@ def combine(s: Setup, backend: str, batch: int, topk: int, cfg: SpecConfig, targ
         "verify_tokens": spec["verify_tokens"], "draft_passes": spec["draft_passes"],
         "draft_tokens": spec["draft_tokens"],
         "target_kv_len": target["target_kv_len"], "spec_kv_len": spec["spec_kv_len"],
+        "target_comm_us": target["target_comm_us"], "spec_comm_us": spec["spec_comm_us"],
         "bandwidth_gbs": s.bandwidth / 1e9, "model_gb": model_gb,
         "target_kv_gb": target["target_kv_gb"], "spec_kv_gb": spec["spec_kv_gb"],
         "captured_steps": spec["captured_steps"],
@@ -331,6 +354,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--append", action="store_true",
                     help="merge into an existing --csv (rows of the same variant, backend, batch and topk replaced)")
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU: every path but the CUDA timing")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor-parallel ranks, under torchrun --nproc-per-node N (NCCL; gloo with --smoke)")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="CSV",
                     help="no run: merge these CSVs (later rows replace earlier ones of the same configuration) "
                          "into --csv and plot them (no GPU needed)")
@@ -350,7 +375,28 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ap.error("--iters, --layers and --context must be >= 1, --warmup >= 0")
     if not (args.smoke or args.merge) and not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU; --smoke runs its CPU smoke test")
+    world = os.environ.get("WORLD_SIZE", "1")
+    if args.tp < 1 or (args.tp > 1 and world != str(args.tp)):
+        ap.error(f"--tp {args.tp} runs under torchrun --nproc-per-node {args.tp} (WORLD_SIZE is {world})")
+    if args.tp > 1 and not args.smoke and torch.cuda.device_count() < args.tp:
+        ap.error(f"--tp {args.tp} needs {args.tp} CUDA devices; this machine has {torch.cuda.device_count()}")
     return args
+
+
+def start_ranks(args: argparse.Namespace) -> tuple[Parallel, str]:
+    """This process's rank and device: one process at --tp 1; under torchrun the group (NCCL over
+    cuda:LOCAL_RANK, gloo on the CPU), and ranks past 0 print nothing."""
+    device = "cpu" if args.smoke else "cuda"
+    if args.tp == 1:
+        return SINGLE, device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("gloo" if args.smoke else "nccl")
+    parallel = Parallel.from_distributed()
+    if parallel.rank:
+        sys.stdout = open(os.devnull, "w")
+    return parallel, device
 
 
 def backend_refusal(backend: str, device: str) -> Optional[str]:
@@ -365,14 +411,15 @@ def backend_refusal(backend: str, device: str) -> Optional[str]:
 class Run:
     """The rows so far (--csv rewritten after each), and the configurations that failed."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, writes: bool = True) -> None:
+        self.args, self.writes = args, writes
         self.rows = read_csv(args.csv) if args.append and args.csv.exists() else []
         self.failures = 0
 
     def emit(self, row: dict) -> None:
         self.rows[:] = [r for r in self.rows if row_key(r) != row_key(row)] + [row]
-        write_csv(self.rows, self.args.csv)
+        if self.writes:
+            write_csv(self.rows, self.args.csv)
         print(table_line(row), flush=True)
 
     def failed(self, what: str) -> None:
@@ -381,14 +428,14 @@ class Run:
         _free()
 
 
-def run_variant(run: Run, variant: str, clock: StepClock, bandwidth: float, device: str) -> None:
-    """Every backend, batch and tree of one variant, on one model."""
+def run_variant(run: Run, variant: str, clock: StepClock, bandwidth: float, device: str, parallel: Parallel) -> None:
+    """Every backend, batch and tree of one variant, on one model (this rank's shard)."""
     args = run.args
-    kernels = kernel_counts(args, variant)  # first: the child has the device to itself
+    kernels = kernel_counts(args, variant) if parallel.size == 1 else {}  # first: the child has the device to itself
     cfg = rank_slice_config(variant, args.layers, smoke=args.smoke)
     t0 = time.perf_counter()
-    target, draft = build_models(cfg, torch.float32 if args.smoke else torch.bfloat16, device)
-    mismatch = check_param_counts(target, draft)
+    target, draft = build_models(cfg, torch.float32 if args.smoke else torch.bfloat16, device, parallel)
+    mismatch = check_param_counts(target, draft, parallel.size)
     if mismatch:
         print(f"# WARNING: {mismatch}: the floors count the config's parameters")
     own = own_parameters(draft, target)
@@ -396,8 +443,8 @@ def run_variant(run: Run, variant: str, clock: StepClock, bandwidth: float, devi
     print(f"# {variant}: {cfg.num_hidden_layers} layers ({len(moe_layer_ids(cfg))} MoE), built in "
           f"{time.perf_counter() - t0:.1f} s; parameters {param_bytes(target.parameters()) / 1e9:.2f} GB target + "
           f"{param_bytes(own) / 1e9:.2f} GB MTP layer", flush=True)
-    s = Setup(variant, target, draft, device == "cuda", clock, bandwidth, args.iters, args.warmup, args.num_steps,
-              args.num_draft_tokens)
+    s = Setup(variant, target, draft, device.startswith("cuda"), clock, bandwidth, args.iters, args.warmup,
+              args.num_steps, args.num_draft_tokens, parallel)
     for backend in args.backends:
         refusal = backend_refusal(backend, device)
         if refusal:
@@ -469,10 +516,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.merge:
         return merge(args)
-    device = "cpu" if args.smoke else "cuda"
-    cuda = device == "cuda"
-    run = Run(args)
+    parallel, device = start_ranks(args)
+    cuda = device != "cpu"
+    run = Run(args, writes=parallel.rank == 0)
     name = torch.cuda.get_device_name() if cuda else "CPU (smoke: eager, times are not measurements)"
+    if parallel.size > 1:
+        name += f", tensor parallel over {parallel.size} ranks"
     bw = read_bandwidth(device, (2 << 30) if cuda else (32 << 20), 20 if cuda else 3)
     print(f"device: {name}; read bandwidth {bw['floor'] / 1e9:.0f} GB/s (the fastest of "
           + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in bw.items() if k != "floor") + " GB/s)", flush=True)
@@ -481,14 +530,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(table_line(None))
     for variant in args.variants:
         try:
-            run_variant(run, variant, clock, bw["floor"], device)
+            run_variant(run, variant, clock, bw["floor"], device, parallel)
         except Exception:
             run.failed(variant)
         _free()
     if clock.short_pads:
         print(f"# WARNING: {clock.short_pads} timed steps launched for longer than the spin before them: "
               "their times include idle device time (the spin doubled after each)")
-    if run.rows:
+    if run.rows and run.writes:
         print()
         print(table_line(None))
         for row in run.rows:

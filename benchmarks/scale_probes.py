@@ -17,6 +17,7 @@ from torch import nn
 
 from benchmarks.rank_slice import Pass
 from specdec.models import DeepseekV3Config
+from specdec.parallel import Parallel
 
 
 # ----------------------------------------------------------------------------------------- the taps
@@ -241,6 +242,46 @@ class StepClock:
             if finish is not None:
                 finish(out)
         return times[warmup:]
+
+
+# ----------------------------------------------------------------------------------- collectives
+class CollectiveTap:
+    """Records the tensor-parallel collectives (Parallel.all_reduce, all_gather) called while
+    active, as (op, shape, dtype) in call order; nothing at tp 1, which calls none."""
+
+    OPS = ("all_reduce", "all_gather")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self._saved: dict[str, Callable] = {}
+
+    def __enter__(self) -> "CollectiveTap":
+        for op in self.OPS:
+            real = self._saved[op] = getattr(Parallel, op)
+
+            def recorded(parallel: Parallel, x: torch.Tensor, _op=op, _real=real) -> torch.Tensor:
+                if parallel.size > 1:
+                    self.calls.append((_op, tuple(x.shape), x.dtype))
+                return _real(parallel, x)
+
+            setattr(Parallel, op, recorded)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for op, real in self._saved.items():
+            setattr(Parallel, op, real)
+
+
+def collectives_us(parallel: Parallel, calls: Sequence[tuple[str, tuple[int, ...], torch.dtype]], device: str,
+                   reps: int = 20) -> float:
+    """The time of ``calls`` (CollectiveTap's), each kind timed alone on zeros of its shape (the
+    fastest of ``reps``, every rank in the same order) and counted as often as it was called, us."""
+    total = 0.0
+    for op, shape, dtype in dict.fromkeys(calls):
+        x = torch.zeros(shape, dtype=dtype, device=device)
+        one = fastest_s(lambda: getattr(parallel, op)(x), device != "cpu", reps)
+        total += one * 1e6 * calls.count((op, shape, dtype))
+    return total
 
 
 # ------------------------------------------------------------------------------------- bandwidth

@@ -13,20 +13,21 @@ from typing import Optional
 COLUMNS = ["variant", "backend", "batch", "topk", "target_us", "spec_us", "target_floor_frac", "spec_floor_frac",
            "kernels_per_layer", "spec_over_target"]
 # (column, width, format) of the printed table
-TABLE = [("variant", 7, "{}"), ("backend", 14, "{}"), ("batch", 5, "{}"), ("topk", 4, "{}"), ("ndt", 3, "{}"),
+TABLE = [("variant", 7, "{}"), ("backend", 14, "{}"), ("tp", 2, "{}"), ("batch", 5, "{}"), ("topk", 4, "{}"), ("ndt", 3, "{}"),
          ("target_us", 9, "{:.0f}"), ("t_floor", 7, "{:.0f}"), ("t_frac", 6, "{:.2f}"), ("spec_us", 9, "{:.0f}"),
          ("s_floor", 7, "{:.0f}"), ("s_frac", 6, "{:.2f}"), ("spec/tgt", 8, "{:.2f}"), ("L2.5", 5, "{:.2f}"),
-         ("L3.0", 5, "{:.2f}"), ("L3.5", 5, "{:.2f}"), ("kern/layer", 10, "{:.0f}"), ("experts v/d", 11, "{}")]
+         ("L3.0", 5, "{:.2f}"), ("L3.5", 5, "{:.2f}"), ("kern/layer", 10, "{:.0f}"), ("experts v/d", 11, "{}"),
+         ("comm t/s us", 11, "{}")]
 
 
 def table_line(row: Optional[dict]) -> str:
     """The printed table's header (None) or one row."""
     if row is None:
         return " ".join(f"{name:>{width}}" for name, width, _ in TABLE)
-    values = [row["variant"], row["backend"], row["batch"], row["topk"], row["num_draft_tokens"], row["target_us"],
+    values = [row["variant"], row["backend"], row.get("tp", 1), row["batch"], row["topk"], row["num_draft_tokens"], row["target_us"],
               row["target_floor_us"], row["target_floor_frac"], row["spec_us"], row["spec_floor_us"],
               row["spec_floor_frac"], row["spec_over_target"], row["speedup_L2.5"], row["speedup_L3.0"],
-              row["speedup_L3.5"], row["kernels_per_layer"], _experts_text(row)]
+              row["speedup_L3.5"], row["kernels_per_layer"], _experts_text(row), _comm_text(row)]
     return " ".join(f"{fmt.format(v):>{width}}" for (_, width, fmt), v in zip(TABLE, values))
 
 
@@ -39,9 +40,18 @@ def _experts_text(row: dict) -> str:
     return f"{verify:.1f}/{draft:.1f}" if number[1] else f"{verify:.1f}/-"
 
 
+def _comm_text(row: dict) -> str:
+    """The target and spec step's tensor-parallel collectives, us ("-": one rank)."""
+    target, spec = (row.get(k) for k in ("target_comm_us", "spec_comm_us"))
+    if int(row.get("tp", 1)) == 1 or not isinstance(target, (int, float)):
+        return "-"
+    return f"{target:.0f}/{spec:.0f}"
+
+
 # ---------------------------------------------------------------------------------------- output
 def row_key(row: dict) -> tuple:
-    return tuple(str(row[k]) for k in ("variant", "backend", "batch", "topk"))
+    """A row's configuration: variant, backend, tensor-parallel ranks (1 in rows from before --tp), batch, topk."""
+    return tuple(str(row.get(k, 1)) for k in ("variant", "backend", "tp", "batch", "topk"))
 
 
 def _parse(value: str):

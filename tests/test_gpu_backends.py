@@ -168,10 +168,10 @@ def test_over_a_scaled_fp8_pool_matches_torch_ref(backend, q_len, kv_scale):
     """Verify passes over an fp8_e4m3 pool with a kv_scale against torch_ref. flashmla's dense fp8
     kernel takes fp8 queries (here they hold fp8 values, so its cast loses nothing) and, its wgmma
     taking fp8 on both sides, rounds the softmax weights to fp8 for the second product: 6e-2, not
-    triton_mla's 2e-2 relative (which widens the cache to 16 bits), and 0.1 x kv_scale absolute, on
-    outputs of up to ~25 x kv_scale."""
+    triton_mla's 2e-2 relative (which widens the cache to 16 bits), and 0.25 x kv_scale absolute, 1%
+    of the largest output (~25 x kv_scale)."""
     fp8_q = backend == "flashmla"
-    atol, rtol = (1e-1, 6e-2) if fp8_q else (2e-2, 2e-2)
+    atol, rtol = (2.5e-1, 6e-2) if fp8_q else (2e-2, 2e-2)
     compare(backend, _uniform(ForwardMode.TARGET_VERIFY, q_len), dtype=torch.float8_e4m3fn, kv_scale=kv_scale,
             spread=2.0, atol=atol * max(kv_scale, 1.0), rtol=rtol,
             q_dtype=torch.float8_e4m3fn if fp8_q else torch.bfloat16)

@@ -3,6 +3,10 @@ models' own parameters, the taps, and a --smoke run's CSV (every path but the CU
 
 import csv
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from benchmarks.rank_slice import (
 from benchmarks.scale_probes import RouterTap, StepClock, count_trace_events, expert_ids
 from benchmarks.scale_report import COLUMNS
 
+REPO = Path(__file__).resolve().parent.parent
 D, V = 7168, 16160  # the rank slice's hidden size and vocabulary
 ATTENTION = D * 1536 + 1536 + 1536 * 16 * (128 + 64) + D * (512 + 64) + 512 + 512 * 16 * (128 + 128) + 16 * 128 * D
 DENSE_LAYER = ATTENTION + 2 * D + 3 * D * 2304
@@ -187,3 +192,45 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_a_ranks_config_holds_its_share():
+    cfg = rank_slice_config("moe")
+    half = rank_slice.rank_config(cfg, 2)
+    assert (half.num_attention_heads, half.intermediate_size, half.moe_intermediate_size, half.vocab_size) == \
+        (8, 1152, 128, 8080)
+    assert (half.q_lora_rank, half.kv_lora_rank, half.n_routed_experts) == (1536, 512, 64)  # whole on every rank
+    assert target_params(cfg) / 2 < target_params(half) < target_params(cfg)
+    assert rank_slice.rank_config(cfg, 1) is cfg
+
+
+def _smoke(tmp_path, name: str, tp: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    path = tmp_path / f"{name}.csv"
+    args = ["-m", "benchmarks.scale", "--smoke", "--variants", "moe", "--backends", "torch_ref", "--batches", "2",
+            "--topks", "1", "--iters", "1", "--warmup", "0", "--csv", str(path), "--tp", str(tp)]
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp)] if tp > 1 else []
+    run = subprocess.run([sys.executable, *launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run, (scale_report.read_csv(path) if path.exists() else [])
+
+
+def test_tensor_parallel_smoke_under_torchrun(tmp_path):
+    """--tp 2 on two gloo ranks: rank 0 alone prints and writes; each rank's shard holds what its
+    floor counts (no WARNING); its floor is below one process's and above half of it (the KV, the
+    latent projections, norms and routers are whole on every rank); its collectives are timed."""
+    one, one_rows = _smoke(tmp_path, "tp1", 1)
+    two, two_rows = _smoke(tmp_path, "tp2", 2)
+    assert one.returncode == 0 and two.returncode == 0, two.stdout + two.stderr
+    assert two.stdout.count("tensor parallel over 2 ranks") == 1 and "WARNING" not in two.stdout, two.stdout
+    (r1,), (r2,) = one_rows, two_rows
+    assert (r1["tp"], r2["tp"]) == (1, 2)
+    for kind in ("target", "spec"):
+        assert r1[f"{kind}_floor_gb"] / 2 < r2[f"{kind}_floor_gb"] < r1[f"{kind}_floor_gb"]
+        assert r1[f"{kind}_comm_us"] == 0 and r2[f"{kind}_comm_us"] > 0
+    assert r2["spec_comm_us"] > r2["target_comm_us"]  # verify plus the draft's passes
+
+
+def test_tp_outside_torchrun_is_a_usage_error():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--smoke", "--tp", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
+    assert run.returncode == 2 and "--tp 2 runs under torchrun --nproc-per-node 2" in run.stderr, run.stderr
