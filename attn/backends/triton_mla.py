@@ -1,4 +1,6 @@
-"""Our Triton MLA kernel on Hopper: paged, split-KV, tree masks, no host sync, graph safe."""
+"""Our Triton MLA kernel on Hopper: paged, split-KV, tree masks, no host sync, graph safe; and its
+sparse variant (DeepSeek-V3.2): the indexer's top-k (attn.kernels.triton_mla.indexer) and attention
+over the selected rows (attn.kernels.triton_mla.sparse), alike."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ class TritonMLABackend(RaggedKernelBackend):
     kernel_family = "triton"
     required_sm = (8, 9, 10, 12)
     kv_dtypes = ("auto", "bf16", "fp16", "fp8_e4m3")
+    supports_sparse = True
+    max_index_topk = None  # any: the sparse kernel cuts a token's rows into split chunks
 
     def _query_dtype(self) -> torch.dtype:
         """The kernel takes queries in the cache's 16-bit dtype (bf16 for an fp8 cache)."""
@@ -28,6 +32,18 @@ class TritonMLABackend(RaggedKernelBackend):
             self.layer.sm_scale, custom_mask=custom_mask, kv_scale=self.bmm2_scale(), max_kv_len=max_seq_len,
         )
         return out.to(query.dtype)
+
+    def _run_index_kernel(self, q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, topk,
+                          custom_mask):
+        from attn.kernels.triton_mla.indexer import indexer_topk
+
+        return indexer_topk(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, topk, custom_mask)
+
+    def _run_sparse_kernel(self, q, kv_cache, slots):
+        from attn.kernels.triton_mla.sparse import sparse_mla_decode
+
+        out = sparse_mla_decode(q.to(self._query_dtype()), kv_cache, slots, self.layer.sm_scale, self.bmm2_scale())
+        return out.to(q.dtype)
 
     def kv_len_bounds(self, batch_size: int, q_len: int) -> tuple[int, ...]:
         """The kv lengths up to which the kernel plans another launch than for the next longer

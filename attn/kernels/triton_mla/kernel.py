@@ -105,10 +105,20 @@ def _attend_tile(
     if MASKED:
         visible = visible_kv(offs_n, kv_len, q_pos, mask_rows_ptr, mask_start, row_valid, HAS_MASK)
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+    return online_softmax_step(acc, m_i, l_i, qk, k_nope, kv_len, MASKED)
+
+
+@_jit
+def online_softmax_step(acc, m_i, l_i, qk, v, guard, MASKED: tl.constexpr):
+    """(acc, m_i, l_i) after one kv tile: scores ``qk`` [rows, BLOCK_N] fp32 in the log2 domain
+    over V rows ``v`` [BLOCK_N, D] (16-bit); acc [rows, D] fp32, m_i / l_i [rows] the running
+    maximum and sum. MASKED: qk may hold -inf (unseen rows), and a row that saw nothing yet keeps
+    acc = l = 0. guard: any runtime value >= 0 (see the PV product).
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet stays 0
     else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = m_new
     p = tl.math.exp2(qk - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
@@ -118,8 +128,8 @@ def _attend_tile(
     # the PV product, so Triton does not lay them out as a chained pair with every warp on the
     # M axis (which replicates both products in every warp); each splits its N axis over the
     # warps instead. 64-row (wgmma) tiles keep the chained layout either way.
-    if kv_len >= 0:
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc)
+    if guard >= 0:
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
 
@@ -195,7 +205,19 @@ def _mla_attention_kernel(
             PAGE_SIZE, BLOCK_N, D_V, D_PE, True, HAS_MASK, V_SPLIT,
         )
 
-    # A row that saw nothing has acc == 0 and l == 0: it outputs exactly 0.
+    # Every V part computes the same lse: the first one writes it.
+    store_rows(o_ptr, lse_ptr, token, head, acc, m_i, l_i, v_scale, split, own_off, offs_d, row_valid,
+               row_valid & (v_part == 0), stride_ot, stride_oh, stride_os, stride_lt, stride_lh, DIRECT)
+
+
+@_jit
+def store_rows(o_ptr, lse_ptr, token, head, acc, m_i, l_i, v_scale, split, own_off, offs_d, row_valid, lse_valid,
+               stride_ot, stride_oh, stride_os, stride_lt, stride_lh, DIRECT: tl.constexpr):
+    """Store a program's rows (query ``token`` [rows] or one, ``head`` [rows]) after its last kv tile:
+    DIRECT, the output ``acc / l * v_scale`` at dims ``own_off + offs_d`` of out [T, H, 512];
+    otherwise that partial at split ``split`` of [T, H, S, 512] and, where lse_valid, its
+    log2-sum-exp into [T, H, S] (-inf: saw nothing). A row that saw nothing (acc == 0, l == 0)
+    stores exactly 0."""
     saw_any = l_i > 0
     o = acc * (v_scale / tl.where(saw_any, l_i, 1.0))[:, None]
     o_row_ptr = o_ptr + token * stride_ot + head.to(tl.int64) * stride_oh
@@ -205,8 +227,7 @@ def _mla_attention_kernel(
     else:
         tl.store(o_row_ptr[:, None] + split * stride_os + own_off + offs_d[None, :], o, mask=row_valid[:, None])
         lse = tl.where(saw_any, m_i + tl.math.log2(tl.where(saw_any, l_i, 1.0)), float("-inf"))
-        # Every V part computes the same lse: the first one writes it.
-        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid & (v_part == 0))
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=lse_valid)
 
 
 @_jit
@@ -280,9 +301,9 @@ def _has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _expect(ok: bool, message: str) -> None:
+def _expect(ok: bool, message: str, caller: str = "mla_paged_attention") -> None:
     if not ok:
-        raise ValueError(f"mla_paged_attention: {message}")
+        raise ValueError(f"{caller}: {message}")
 
 
 def _check_inputs(
