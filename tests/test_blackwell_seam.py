@@ -279,3 +279,88 @@ def test_built_directly_a_backend_refuses_pages_its_kernel_refuses(cls):
     pool = MLAKVPool(1, 16, 16, 1, 128, torch.bfloat16)
     with pytest.raises(ValueError, match=rf"{cls.name} takes pages of \[32, 64\] tokens, not 16"):
         cls(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), max_batch_size=2, max_q_len=1)
+
+
+def documented_sparse_decode(query, kv_cache, block_tables, seq_lens, qk_scale, out_scale):
+    """FlashInfer's sparse trtllm-gen MLA decode as documented: query ``[T, 1, H, 576]``, kv
+    ``[pages, 1, page_size, 576]`` in one dtype, block_tables ``[T, 1, K]`` cache slots, token t
+    attending to its first seq_lens[t] slots; ``[T, 1, H, 512]`` bf16."""
+    assert query.dtype == kv_cache.dtype and query.shape[1] == 1 and block_tables.shape[1] == 1
+    rows = kv_cache.reshape(-1, 576).float()
+    out = torch.empty(*query.shape[:3], 512)
+    for t in range(query.shape[0]):
+        seen = rows[block_tables[t, 0, :int(seq_lens[t])].long()]
+        weights = torch.softmax(qk_scale * query[t, 0].float() @ seen.T, dim=-1)
+        out[t, 0] = out_scale * weights @ seen[:, :512]
+    return out.to(torch.bfloat16)
+
+
+@pytest.fixture
+def sparse_library(monkeypatch):
+    """FlashInfer's trtllm-gen entry point replaced by its documented sparse semantics (arguments
+    bound by name to the installed signature); every call's (K, heads) recorded."""
+    import inspect
+
+    pytest.importorskip("flashinfer")
+    import flashinfer.mla
+
+    signature = inspect.signature(flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla)
+    calls = []
+
+    def library(*args, **kwargs):
+        arg = signature.bind(*args, **kwargs).arguments
+        table = arg["block_tables"]
+        assert arg["sparse_mla_top_k"] == table.shape[-1] == arg["max_seq_len"] and table.shape[-1] % 4 == 0
+        assert table.dtype == arg["seq_lens"].dtype == torch.int32 and (arg["seq_lens"] >= 1).all()
+        assert (table[:, 0, :][torch.arange(table.shape[-1]) < arg["seq_lens"][:, None]] >= 0).all()
+        if arg["kv_cache"].dtype == torch.float8_e4m3fn:
+            assert arg["query"].shape[2] in (64, 128)
+        calls.append((table.shape[-1], arg["query"].shape[2]))
+        return documented_sparse_decode(arg["query"], arg["kv_cache"], table, arg["seq_lens"], arg["bmm1_scale"],
+                                        arg.get("bmm2_scale", 1.0))
+
+    monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", library)
+    monkeypatch.setattr(TrtllmMLABackend, "required_sm", None)
+    monkeypatch.setattr(TrtllmMLABackend, "_run_index_kernel", TorchRefBackend._run_index_kernel)
+    return calls
+
+
+@pytest.mark.parametrize("kv_dtype,kv_scale", [(torch.bfloat16, 1.0), (torch.float8_e4m3fn, 0.5)])
+def test_sparse_call_attends_as_the_library_documents(sparse_library, kv_dtype, kv_scale):
+    """The real _run_sparse_kernel against the documented call: each token attends to exactly its
+    selected rows (6 slots padded to 8, some -1, one token with none, which gets 0) as
+    sparse_mla_reference does; an fp8 cache's 16 heads go to the kernel padded to 64."""
+    from attn.backends.torch_ref import sparse_mla_reference
+
+    g = torch.Generator().manual_seed(7)
+    pool = MLAKVPool(1, 9, 64, 2, 256, kv_dtype, kv_scale=kv_scale)
+    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, generator=g).to(kv_dtype))
+    backend = TrtllmMLABackend(pool.view(), LayerSpec(num_heads=16, sm_scale=0.1), 2, 4)
+    slots = torch.randint(0, 9 * 64, (5, 6), generator=g, dtype=torch.int32)
+    slots[1, 4:] = -1
+    slots[3] = -1
+    query = torch.randn(5, 16, 576, generator=g).to(kv_dtype).to(torch.bfloat16)  # values the cast keeps
+    out = backend._run_sparse_kernel(query, pool.kv_buffers[0], slots)
+    expected = sparse_mla_reference(query, pool.kv_buffers[0], slots, 0.1, backend.bmm2_scale())
+    assert out.shape == (5, 16, 512) and out.dtype == query.dtype and not out[3].any()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert sparse_library == [(8, 64 if kv_dtype == torch.float8_e4m3fn else 16)]
+
+
+def test_v32_worker_lossless_through_the_sparse_seam(sparse_library):
+    """DeepSeek-V3.2 on trtllm_mla over a bf16 cache (topk 1 chains, its draft-extend and prefill
+    too): every sparse pass goes through the library call, and the outputs are target-only greedy
+    decoding's on torch_ref over the same cache."""
+    from test_worker_v32 import INDEX_TOPK, v32_models
+
+    target, mtp = v32_models()
+    cfg = SpecConfig(num_steps=3, attention_backend="trtllm_mla", kv_dtype="bf16", page_size=64, max_batch_size=4,
+                     max_context_len=256)
+    groups = [(prompts(3, seed=1), 10), (prompts(1, seed=2), 6)]
+    outputs, _ = run_to_completion(EagleWorker(target, mtp, cfg), groups)
+    assert outputs == reference(target, groups, page_size=64, kv_dtype=torch.bfloat16)
+    assert {k for k, _ in sparse_library} == {-(-INDEX_TOPK // 4) * 4}
+
+
+def test_cutedsl_has_no_sparse_pass():
+    assert TrtllmMLABackend.supports_sparse and not CuteDslMLABackend.supports_sparse

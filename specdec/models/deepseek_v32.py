@@ -91,7 +91,8 @@ def check_sparse_backend(backend, cfg: DeepseekV32Config) -> None:
     if not getattr(backend, "supports_sparse", False):
         name = getattr(backend, "name", type(backend).__name__)
         raise ValueError(f"{name} has no sparse attention (supports_sparse=False), which DeepSeek-V3.2 "
-                         f"(index_topk={cfg.index_topk}) needs; pick a sparse attention backend (torch_ref, triton_mla)")
+                         f"(index_topk={cfg.index_topk}) needs; pick a sparse attention backend "
+                         "(torch_ref, triton_mla, trtllm_mla)")
     backend.check_sparse(cfg.index_topk, cfg.index_head_dim)
 
 

@@ -22,3 +22,4 @@ class CuteDslMLABackend(TrtllmMLABackend):
     skipped_heads = range(0)  # cute-dsl takes every head count up to 128
     multi_cta_counters = False
     compiles_per_q_len = True
+    supports_sparse = False  # FlashInfer's sparse MLA is trtllm-gen's
