@@ -2,6 +2,7 @@
 
     python -m benchmarks.mla_kernels [--out benchmarks/mla_kernels.png] [--quick] [--kv-dtype fp8]
                                      [--table-tokens 131072 [--kv-bound]] [--heads 4 --q-lens 1 4 16]
+    python -m benchmarks.mla_kernels --sparse [--quick] [--kv-dtype fp8]   # DeepSeek-V3.2: benchmarks/mla_sparse.py
 
 Every call is timed inside a CUDA graph (captured once, replayed many times, timed with CUDA events, a
 replay queued ahead of the start event so the host's launch is not timed); the three kernels' samples
@@ -424,7 +425,16 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=list(TABLE_HEADS), help="head counts of the table")
     parser.add_argument("--q-lens", type=int, nargs="+", default=list(TABLE_Q_LENS),
                         help="query tokens a request, of the table")
+    parser.add_argument("--sparse", action="store_true",
+                        help="the sparse (DeepSeek-V3.2) table instead: benchmarks/mla_sparse.py")
     args = parser.parse_args()
+    if args.sparse:
+        if not torch.cuda.is_available():
+            parser.error("this benchmark needs a CUDA GPU")
+        from benchmarks import mla_sparse
+
+        mla_sparse.main(args.quick, args.kv_dtype, args.out or Path("benchmarks/mla_sparse.png"))
+        return
     if min(args.heads + args.q_lens) < 1:
         parser.error("--heads and --q-lens take positive counts")
     if args.quick and (args.heads != list(TABLE_HEADS) or args.q_lens != list(TABLE_Q_LENS)):
