@@ -247,7 +247,7 @@ class PagedMLABackend:
         cache.view(-1, cache.shape[-1]).index_copy_(0, batch.out_cache_loc, k_new.to(cache.dtype))
         md = self.metadata
         return self._run_index_kernel(q, weights, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
-                                      batch.max_q_len, topk, batch.custom_mask)
+                                      batch.max_q_len, topk, batch.custom_mask, md.max_seq_len)
 
     def forward_sparse(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch,
                        slots: torch.Tensor) -> torch.Tensor:
@@ -280,10 +280,12 @@ class PagedMLABackend:
 
     def _run_index_kernel(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          max_q_len: int, topk: int, custom_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                          max_q_len: int, topk: int, custom_mask: Optional[torch.Tensor],
+                          max_seq_len: int) -> torch.Tensor:
         """The indexer's kernel: q ``[T, Hi, D]``, weights ``[T, Hi]`` fp32, index_cache
-        ``[num_pages, page_size, D]``; the rest as _run_ragged_kernel's. Returns ``[T, topk]`` int32
-        slots (index_topk's contract)."""
+        ``[num_pages, page_size, D]``; the rest as _run_ragged_kernel's (max_seq_len: the pass's host
+        bound of seq_lens, so a kernel scores that many positions, not the tables' width). Returns
+        ``[T, topk]`` int32 slots (index_topk's contract)."""
         raise NotImplementedError(f"{type(self).__name__} defines no indexer kernel")
 
     def _run_sparse_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

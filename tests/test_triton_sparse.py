@@ -56,9 +56,10 @@ def slot_scores(index, slots):
     return scores.masked_fill(slots < 0, float("-inf"))
 
 
-def check_topk(index, topk, custom_mask=None, exact=False):
-    """indexer_topk against indexer_topk_reference (assert_same_selection); returns its slots."""
-    got = indexer_topk(**index, topk=topk, custom_mask=custom_mask)
+def check_topk(index, topk, custom_mask=None, exact=False, max_kv_len=None):
+    """indexer_topk (scoring max_kv_len positions, if given) against indexer_topk_reference
+    (assert_same_selection); returns its slots."""
+    got = indexer_topk(**index, topk=topk, custom_mask=custom_mask, max_kv_len=max_kv_len)
     assert_same_selection(index, got, indexer_topk_reference(**index, topk=topk, custom_mask=custom_mask),
                           custom_mask, exact)
     return got
@@ -147,6 +148,7 @@ def test_sparse_argument_checks(change, message):
     (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), r"cu_seqlens_q must be \[3\] int32"),
     (lambda a: a.update(topk=0), "topk must be an int >= 1"),
     (lambda a: a.update(custom_mask=torch.ones(2, 2, 3, dtype=torch.int32)), "custom_mask must be"),
+    (lambda a: a.update(max_kv_len=0), "max_kv_len must be None or an int >= 1"),
 ])
 def test_indexer_argument_checks(change, message):
     args, _ = index_inputs([5, 3], [2, 2], 2, 16, 4, "cpu")
@@ -250,6 +252,13 @@ for mask_len in (4, 6):
         index, _ = index_inputs([mask_len, 40, 90], [4, 4, 4], 4, 16, 16, "cpu", exact=exact, padding=1, gen=gen)
         got = check_topk(index, 8, mask, exact=exact)
         assert (got[1] == -1).all() and (got[-1] == -1).all()
+# Scoring only up to the pass's bound (the longest request's 90 positions of the tables' wider
+# span, and one more) selects what scoring the tables' width does (random scores: torch.topk may
+# break ties otherwise over a narrower buffer).
+index, _ = index_inputs([90, 33], [4, 2], 2, 16, 8, "cpu", gen=gen)
+assert index["block_tables"].shape[1] * 8 > 90
+for bound in (90, 91):
+    check_topk(index, 40, max_kv_len=bound)
 # Score buffers of two tokens: the tokens in chunks, the last one shorter
 index, _ = index_inputs([100, 9], [3, 2], 2, 16, 8, "cpu", exact=True, gen=gen)
 indexer.SCORE_BUFFER_BYTES = 2 * 4 * index["block_tables"].shape[1] * 8

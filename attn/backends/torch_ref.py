@@ -177,7 +177,7 @@ class TorchRefBackend(RaggedKernelBackend):
         )
 
     def _run_index_kernel(self, q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, topk,
-                          custom_mask):
+                          custom_mask, max_seq_len):
         return indexer_topk_reference(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, topk, custom_mask)
 
     def _run_sparse_kernel(self, q, kv_cache, slots):

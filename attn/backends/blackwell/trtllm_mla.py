@@ -81,10 +81,11 @@ class TrtllmMLABackend(PagedMLABackend):
         return out.to(query.dtype)
 
     def _run_index_kernel(self, q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, topk,
-                          custom_mask):
+                          custom_mask, max_seq_len):
         from attn.kernels.triton_mla.indexer import indexer_topk
 
-        return indexer_topk(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, topk, custom_mask)
+        return indexer_topk(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, topk, custom_mask,
+                            max_kv_len=max_seq_len)
 
     def _run_sparse_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, 576]`` over slots ``[T, K]`` int32 (the indexer's: chosen rows first, then -1)

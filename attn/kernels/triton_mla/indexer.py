@@ -155,6 +155,7 @@ def indexer_topk(
     cu_seqlens_q: torch.Tensor,
     topk: int,
     custom_mask: torch.Tensor | None = None,
+    max_kv_len: int | None = None,
 ) -> torch.Tensor:
     """indexer_topk_reference's contract on the GPU; no host sync, graph-safe.
 
@@ -164,9 +165,13 @@ def indexer_topk(
     (causal). Token i of request b sits at kv position ``seq_lens[b] - q_len_b + i``. Returns ``[T,
     topk]`` int32 slots, best first, -1 past the positions a token sees (all -1 for tokens from
     cu_seqlens_q[B] on). Scores are fp32 sums over products in the promoted dtype of q and the cache
-    (q's own over an fp8 cache). Memory: a ``[chunk, max_pages * page_size]`` fp32 buffer.
+    (q's own over an fp8 cache). max_kv_len: a host bound of every seq_lens (None: the tables'
+    width), the positions scored: a pool sized for 128k scores a 4k pass's 4k. Memory: a ``[chunk,
+    positions]`` fp32 buffer.
     """
     _check_inputs(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, topk, custom_mask)
+    _expect(max_kv_len is None or (is_int(max_kv_len) and max_kv_len >= 1),
+            f"max_kv_len must be None or an int >= 1, got {max_kv_len!r}", caller="indexer_topk")
     if triton is None:
         raise RuntimeError("indexer_topk needs Triton, which is not installed")
     num_tokens, heads, dim = q.shape
@@ -176,6 +181,8 @@ def indexer_topk(
     batch_size, table_width = block_tables.shape
     page_size = index_cache.shape[1]
     num_positions = table_width * page_size
+    if max_kv_len is not None:
+        num_positions = min(num_positions, max_kv_len)
     dtype = q.dtype if index_cache.dtype == torch.float8_e4m3fn else torch.promote_types(q.dtype, index_cache.dtype)
     q = q.to(dtype)
     chunk = max(1, min(num_tokens, SCORE_BUFFER_BYTES // (4 * num_positions)))
