@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from attn.backends.blackwell.device import sm_count
+from attn.backends.triton_mla import TritonMLABackend
 from attn.base import KV_LORA_RANK, QK_ROPE_DIM, to_cache_dtype
 from attn.paged import PagedMLABackend
 
@@ -80,12 +81,7 @@ class TrtllmMLABackend(PagedMLABackend):
         )
         return out.to(query.dtype)
 
-    def _run_index_kernel(self, q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, topk,
-                          custom_mask, max_seq_len):
-        from attn.kernels.triton_mla.indexer import indexer_topk
-
-        return indexer_topk(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, topk, custom_mask,
-                            max_kv_len=max_seq_len)
+    _run_index_kernel = TritonMLABackend._run_index_kernel  # the indexer's top-k: Triton runs on SM100
 
     def _run_sparse_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, 576]`` over slots ``[T, K]`` int32 (the indexer's: chosen rows first, then -1)
