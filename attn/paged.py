@@ -263,8 +263,10 @@ class PagedMLABackend:
         """ValueError naming the setting to change unless this backend and its pool can run a sparse
         pass selecting ``topk`` rows a token with indexer keys ``index_head_dim`` wide (None: unchecked)."""
         if not self.supports_sparse:
+            from attn.registry import sparse_backend_names  # (the registry imports this module)
+
             raise ValueError(f"{self.name} has no sparse attention (supports_sparse=False), which DeepSeek-V3.2's "
-                             "index_topk needs; pick a sparse attention backend (torch_ref, triton_mla, trtllm_mla)")
+                             f"index_topk needs; pick a sparse attention backend: {sparse_backend_names()}")
         if not is_int(topk) or topk < 1 or (self.max_index_topk is not None and topk > self.max_index_topk):
             bound = f"in [1, {self.max_index_topk}]" if self.max_index_topk is not None else "an int >= 1"
             raise ValueError(f"{self.name}: index_topk must be {bound} (the rows its sparse kernel takes a token), "

@@ -34,6 +34,11 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def sparse_backend_names() -> list[str]:
+    """The backends with DeepSeek-V3.2's sparse passes (supports_sparse), for messages that name them."""
+    return [n for n in backend_names() if get_backend_class(n).supports_sparse]
+
+
 def get_backend_class(name: str) -> type[PagedMLABackend]:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {backend_names()}")
@@ -130,9 +135,8 @@ def check_sparse_support(choice: BackendChoice, roles: tuple[str, ...], index_to
         cls, setting = get_backend_class(getattr(choice, role)), ROLE_SETTINGS[role]
         needs = f"{model} (sparse attention, index_topk={index_topk}) runs its {role} passes on it"
         if not cls.supports_sparse:
-            sparse = [n for n in backend_names() if get_backend_class(n).supports_sparse]
             raise ValueError(f"{cls.name} ({role}) has no sparse attention (supports_sparse=False), and {needs}; set "
-                             f"{setting} to one of {sparse}")
+                             f"{setting} to one of {sparse_backend_names()}")
         if cls.max_index_topk is not None and index_topk > cls.max_index_topk:
             wide = [n for n in backend_names() if get_backend_class(n).supports_sparse
                     and (get_backend_class(n).max_index_topk or index_topk) >= index_topk]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn.base import AttnBatch, LayerSpec
+from attn.registry import sparse_backend_names
 from specdec.models import ops
 from specdec.models.config import DeepseekV32Config, DeepseekV3Config
 from specdec.models.deepseek import DeepseekV3ForCausalLM, MLAttention, _factory
@@ -91,8 +92,8 @@ def check_sparse_backend(backend, cfg: DeepseekV32Config) -> None:
     if not getattr(backend, "supports_sparse", False):
         name = getattr(backend, "name", type(backend).__name__)
         raise ValueError(f"{name} has no sparse attention (supports_sparse=False), which DeepSeek-V3.2 "
-                         f"(index_topk={cfg.index_topk}) needs; pick a sparse attention backend "
-                         "(torch_ref, triton_mla, trtllm_mla)")
+                         f"(index_topk={cfg.index_topk}) needs; pick a sparse attention backend: "
+                         f"{sparse_backend_names()}")
     backend.check_sparse(cfg.index_topk, cfg.index_head_dim)
 
 
