@@ -104,11 +104,15 @@ class Setup:
     warmup: int
     num_steps: int
     num_draft_tokens: int
-    parallel: Parallel = SINGLE
 
     @property
     def cfg(self) -> DeepseekV3Config:
         return self.target.config
+
+    @property
+    def parallel(self) -> Parallel:
+        """This rank's place in the group the target was built for."""
+        return self.target.parallel
 
     @property
     def rank_cfg(self) -> DeepseekV3Config:
@@ -444,7 +448,7 @@ def run_variant(run: Run, variant: str, clock: StepClock, bandwidth: float, devi
           f"{time.perf_counter() - t0:.1f} s; parameters {param_bytes(target.parameters()) / 1e9:.2f} GB target + "
           f"{param_bytes(own) / 1e9:.2f} GB MTP layer", flush=True)
     s = Setup(variant, target, draft, device.startswith("cuda"), clock, bandwidth, args.iters, args.warmup,
-              args.num_steps, args.num_draft_tokens, parallel)
+              args.num_steps, args.num_draft_tokens)
     for backend in args.backends:
         refusal = backend_refusal(backend, device)
         if refusal:
