@@ -30,10 +30,10 @@ def _descriptor_type(block_shape: list[int], dtype: str = "bf16") -> str:
 
 
 def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, block_n: int, num_stages: int,
-                 out_dtype: str, kv_fp8: bool = False):
-    """Compile the kernel as _launch would launch it, writing ``out_dtype`` ("bf16" or "fp32": the
-    output or the split partials), over a bf16 or (kv_fp8) fp8 cache: (compiled kernel, its PTX,
-    the ptxas path)."""
+                 out_dtype: str, kv_fp8: bool = False, sparse: bool = False):
+    """Compile the kernel as _launch (sparse: sparse_mla_decode) would launch it, writing
+    ``out_dtype`` ("bf16" or "fp32": the output or the split partials), over a bf16 or (kv_fp8)
+    fp8 cache: (compiled kernel, its PTX, the ptxas path)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -47,14 +47,17 @@ def compile_sm90(tile: TileShape, num_heads: int, has_mask: bool, direct: bool, 
                      kv_nope_desc=_descriptor_type([block_n, 512], kv_dtype),
                      kv_pe_desc=_descriptor_type([block_n, 64], kv_dtype), bt_ptr="*i32", seq_lens_ptr="*i32",
                      cu_q_ptr="*i32", mask_ptr="*u8" if has_mask else "*i32", o_ptr=f"*{out_dtype}",
-                     lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32")
-    constants = dict(PAGE_SIZE=64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
+                     lse_ptr="*fp32", **{name: "i32" for name in ints}, qk_scale="fp32", v_scale="fp32",
+                     kv_ptr="*" + kv_dtype, stride_kv_page="i32", stride_kv_row="i32", slots_ptr="*i32",
+                     stride_st="i32", num_slots="i32", chunk="i32")
+    constants = dict(PAGE_SIZE=16 if sparse else 64, NUM_HEADS=num_heads, BLOCK_H=tile.block_h, BLOCK_Q=tile.block_q,
                      MIN_CHUNK=128, HAS_MASK=has_mask, DIRECT=direct, NUM_STAGES=num_stages,
-                     KV_FP8=kv_fp8, PDL=True)
+                     KV_FP8=kv_fp8, PDL=True, SPARSE=sparse)
     signature.update({name: "constexpr" for name in constants})
     # As the launcher specialises them: pointers 16-byte aligned, the strides of the partials and
     # the output (multiples of 512) divisible by 16; what vectorises its loads and stores.
-    aligned = [name for name in signature if name.endswith("_ptr") or name in ("stride_ot", "stride_oh", "stride_os")]
+    aligned = [name for name in signature if name.endswith("_ptr") or name in (
+        "stride_ot", "stride_oh", "stride_os", "stride_kv_page", "stride_kv_row")]
     attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = GluonASTSource(wgmma_tile._mla_wgmma_kernel, signature, constants, attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -84,8 +87,26 @@ def test_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_hea
     assert tile.rows == wgmma_tile.BLOCK_M
     config = launch_config(LaunchPlan(tile, select_config(tile), 1), wgmma=True)
     out_dtype = "bf16" if direct or narrow_partials(config, num_heads, q_len) else "fp32"
-    kernel, ptx, ptxas = compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
-                                      out_dtype=out_dtype, kv_fp8=kv_fp8)
+    check_compiled(tmp_path, *compile_sm90(tile, num_heads, has_mask, direct, config.block_n, config.num_stages,
+                                           out_dtype=out_dtype, kv_fp8=kv_fp8), out_dtype)
+
+
+@needs_gluon
+@pytest.mark.parametrize("num_heads, direct, kv_fp8", [(64, True, False), (128, False, False), (128, True, True),
+                                                       (64, False, True), (16, False, False), (16, True, True)])
+def test_sparse_tile_compiles_for_sm90_within_shared_memory_without_spills(tmp_path, num_heads, direct, kv_fp8):
+    """sparse_mla_decode's launches of the tile (kv tiles gathered by cp.async; 16 heads padded to
+    its 64 rows), which write their output or 16-bit split partials; its gathers go out 16 bytes
+    a copy."""
+    kernel, ptx, ptxas = compile_sm90(TileShape(64, 1), num_heads, False, direct, wgmma_tile.BLOCK_N, 2,
+                                      out_dtype="bf16", kv_fp8=kv_fp8, sparse=True)
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.ca." not in ptx  # cg: 16-byte copies only
+    check_compiled(tmp_path, kernel, ptx, ptxas, "bf16")
+
+
+def check_compiled(tmp_path, kernel, ptx: str, ptxas: str, out_dtype: str) -> None:
+    """Within one SM's shared memory; 16-bit stores 16 bytes a thread; no spills, at most 255
+    registers and no serialised wgmma (ptxas -v)."""
     assert kernel.metadata.shared <= H100_SMEM_PER_BLOCK
     if out_dtype == "bf16":  # staged into rows a warp writes whole, 16 bytes a thread (_store_half)
         assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx

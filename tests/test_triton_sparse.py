@@ -281,7 +281,7 @@ gen = torch.Generator().manual_seed(2)
 # 16, 64 (one 64-row tile) and 128 heads (two), and 3 (a 16-row tile of 13 masked heads); bf16,
 # fp16 and fp8 caches; -1 slots scattered and at the tail, a token of none; one split (direct),
 # several, and the plan's.
-for heads, page_size, kv_dtype, kv_scale in ((16, 16, torch.bfloat16, 1.0), (64, 1, torch.float8_e4m3fn, 0.5),
+for heads, page_size, kv_dtype, kv_scale in ((16, 16, torch.bfloat16, 1.0), (64, 1, torch.float8_e4m3fn, 0.5), (64, 4, torch.bfloat16, 1.0),
                                              (128, 64, torch.float16, 1.0), (3, 4, torch.float8_e4m3fn, 2.0)):
     q, kv, slots = sparse_inputs([90, 5, 33], [2, 1, 2], heads, page_size, "cpu", kv_dtype, 40, gen)
     for num_splits in (1, 3) if heads < 128 else (None,):
@@ -378,7 +378,8 @@ def test_indexer_topk_at_real_size(q_len, cache, masked):
 
 
 @pytest.mark.parametrize("heads, q_len, kv_dtype, kv_scale", [
-    (16, 1, torch.bfloat16, 1.0), (16, 4, torch.float8_e4m3fn, 0.5), (64, 1, torch.float8_e4m3fn, 0.5),
+    (16, 1, torch.bfloat16, 1.0), (16, 4, torch.float8_e4m3fn, 0.5), (16, 8, torch.bfloat16, 1.0),
+    (16, 8, torch.float8_e4m3fn, 0.5), (64, 1, torch.float8_e4m3fn, 0.5), (64, 4, torch.bfloat16, 1.0),
     (128, 1, torch.bfloat16, 1.0), (128, 4, torch.bfloat16, 1.0), (128, 4, torch.float8_e4m3fn, 0.5)])
 @gpu
 def test_sparse_decode_at_real_size(heads, q_len, kv_dtype, kv_scale):

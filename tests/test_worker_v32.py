@@ -23,7 +23,7 @@ from specdec.draft import StandaloneDraft
 from specdec.kv import MLAKVPool
 from specdec.models import DeepseekMTP, DeepseekV32Config, DeepseekV32ForCausalLM, DeepseekV32MTP
 from specdec.worker import EagleWorker
-from spec_helpers import drain, free_pages, prompts, reference, tiny_config
+from spec_helpers import drain, free_pages, prompts, reference, run_to_completion, tiny_config
 from test_models_v32 import dense_twin
 from test_worker import longest_matching_path
 
@@ -317,3 +317,44 @@ def test_a_dense_draft_of_a_sparse_target_runs_on_a_dense_draft_backend(test_bac
     drain(worker)
     assert type(worker.draft_backend.steps[0]) is DenseOnly
     assert [r.output for r in reqs] == reference(sparse_target, [(group, 10)])
+
+
+def gpu_sparse_worker(topk: int, ndt, max_bs: int = 6):
+    """The V3.2 target and its MTP head on the GPU (fp32) under triton_mla over a bf16 cache."""
+    target, mtp = (m.to("cuda") for m in v32_models())
+    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, attention_backend="triton_mla", kv_dtype="bf16",
+                     page_size=16, max_batch_size=max_bs, max_context_len=256)
+    return target, EagleWorker(target, mtp, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
+def test_triton_mla_worker_is_lossless_on_gpu(topk, ndt, graphs):
+    """triton_mla's sparse passes (indexer and sparse decode kernels) under the worker, eager and
+    graphed, with joins: the target-only greedy outputs over the same backend and cache, and every
+    page back."""
+    target, worker = gpu_sparse_worker(topk, ndt)
+    if graphs:
+        worker.capture_graphs([1, 2, 4, 6], progress=False)
+    groups = [(prompts(2, seed=1), 30), (prompts(3, seed=2), 20), (prompts(1, seed=3), 25)]
+    outputs, _ = run_to_completion(worker, groups, join_every=3)
+    assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16, page_size=16)
+    assert worker.target_pool.num_free_pages == worker.config.pool_pages - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_triton_mla_worker_steps_have_no_host_sync(graphs):
+    """A topk 2 tree's steps over the sparse model, a join between them: launch_step never syncs."""
+    from test_graphs import _launch_without_sync, _runs
+
+    for checked in _runs(graphs):
+        _, worker = gpu_sparse_worker(2, 6, max_bs=4)
+        if graphs:
+            worker.capture_graphs([1, 2, 4], progress=False)
+        worker.add_requests(prompts(2, seed=5), 40)
+        for i in range(6):
+            if i == 3:
+                worker.add_requests(prompts(1, seed=6), 20)
+            _launch_without_sync(worker, checked, graphs)

@@ -499,8 +499,8 @@ def _launch(
         kv_descs = row_descriptors(kv_cache, config.block_n)
         wgmma_tile._mla_wgmma_kernel[(row_blocks, num_splits, batch_size)](
             *q_descs, *kv_descs, block_tables, seq_lens, cu_seqlens_q, mask, o_part, lse,
-            block_tables.stride(0), *scalars,
-            **constants, NUM_STAGES=config.num_stages, KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
+            block_tables.stride(0), *scalars, kv_cache, 0, 0, block_tables, 0, 0, 0,  # (a sparse pass's: unused)
+            **constants, NUM_STAGES=config.num_stages, KV_FP8=kv_cache.dtype == torch.float8_e4m3fn, SPARSE=False,
             num_warps=wgmma_tile.NUM_WARPS, launch_pdl=pdl,
         )
     else:

@@ -4,8 +4,12 @@ K cache rows, given as slots (page * page_size + offset, -1: none) of the paged 
 Tokens share no kv rows (each has its own selection), so a program holds one token's heads (16-64
 rows, the dense kernel's tiles) and gathers the token's rows BLOCK_N at a time; the work is the dense
 kernel's over T requests of one query token and K kv rows each, so plan.plan_launch cuts K into
-split chunks and kernel._merge_splits combines them. The grid follows shapes only (T, heads, K):
-no host sync, graph safe.
+split chunks and kernel._merge_splits combines them. Where wgmma.supports_sparse and the plan takes
+64-row tiles, the tile is the dense Gluon wgmma kernel's with its kv tiles gathered by cp.async
+(SPARSE); fewer heads (V3.2's 16 a TP8 rank) run it padded to 64 rows, as FlashMLA does, from
+PADDED_MIN_TOKENS tokens on, where its wgmma outruns the 16-row tiles' mma.sync despite the 4x
+work; elsewhere _sparse_mla_kernel serves. The grid follows shapes only (T, heads, K): no host
+sync, graph safe.
 """
 
 import functools
@@ -15,8 +19,12 @@ import torch
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM, const_arange
 from attn.kernels.triton_mla.kernel import (_LOG2E, _expect, _has_pdl, _jit, _merge_splits, _num_sms,
                                             online_softmax_step, store_rows, tl, triton)
+from attn.kernels.triton_mla import wgmma as wgmma_tile
 from attn.kernels.triton_mla.plan import MAX_SPLITS, chunk_len, min_split_len, plan_launch
+from attn.kernels.triton_mla.tma import row_descriptors
 from attn.values import is_int, is_positive_finite
+
+PADDED_MIN_TOKENS = 16  # tokens from which fewer than 64 heads run the padded wgmma tile (docs/kernels.md)
 
 
 @_jit
@@ -116,8 +124,13 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     num_slots = slots.shape[1]
     if num_tokens == 0 or num_slots == 0:
         return out.zero_()
-    plan = plan_launch(num_tokens, num_heads, 1, num_slots, _num_sms(q.device))
-    block_h, block_n = plan.tile.rows, plan.config.block_n  # (a tile of several tokens: one token's heads)
+    wgmma = wgmma_tile.supports_sparse(q, kv_cache)
+    padded = wgmma and num_heads < wgmma_tile.BLOCK_M and num_tokens >= PADDED_MIN_TOKENS
+    plan = plan_launch(num_tokens, wgmma_tile.BLOCK_M if padded else num_heads, 1, num_slots, _num_sms(q.device),
+                       wide_tiles=wgmma)
+    block_h = plan.tile.rows  # (a tile of several tokens: one token's heads)
+    wgmma = wgmma and block_h == wgmma_tile.BLOCK_M
+    block_n = wgmma_tile.BLOCK_N if wgmma else plan.config.block_n
     splits = num_splits or plan.num_splits
     chunk = chunk_len(num_slots, splits, block_n, min_split_len(plan.tile, narrow=True))
     direct = splits == 1
@@ -129,15 +142,29 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         lse = q.new_empty(num_tokens, num_heads, splits, dtype=torch.float32)
         o_strides = o_part.stride()[:3]
     pdl = _has_pdl(q.device)
-    _sparse_mla_kernel[(num_tokens * triton.cdiv(num_heads, block_h), splits)](
-        q, kv_cache, slots, o_part, lse,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), slots.stride(0),
-        *o_strides, lse.stride(0), lse.stride(1),
-        num_slots, chunk, sm_scale * kv_scale * _LOG2E, kv_scale,
-        PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=block_h, BLOCK_N=block_n,
-        D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM, DIRECT=direct, PDL=pdl,
-        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages, launch_pdl=pdl,
-    )
+    qk_scale = sm_scale * kv_scale * _LOG2E
+    grid = (num_tokens * triton.cdiv(num_heads, block_h), splits)
+    if wgmma:
+        q_descs = row_descriptors(q, wgmma_tile.query_box_rows(block_h))
+        kv_descs = row_descriptors(kv_cache, block_n)  # the kv tiles' dtype and layouts; the rows are gathered
+        wgmma_tile._mla_wgmma_kernel[(*grid, 1)](
+            *q_descs, *kv_descs, slots, slots, slots, slots, o_part, lse, 0, 0, 0,
+            *o_strides, lse.stride(0), lse.stride(1), splits, 0, qk_scale, kv_scale,
+            kv_cache, kv_cache.stride(0), kv_cache.stride(1), slots, slots.stride(0), num_slots, chunk,
+            PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=block_h, BLOCK_Q=1, MIN_CHUNK=block_n,
+            HAS_MASK=False, DIRECT=direct, NUM_STAGES=2, KV_FP8=kv_cache.dtype == torch.float8_e4m3fn, PDL=pdl,
+            SPARSE=True, num_warps=wgmma_tile.NUM_WARPS, launch_pdl=pdl,
+        )
+    else:
+        _sparse_mla_kernel[grid](
+            q, kv_cache, slots, o_part, lse,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), slots.stride(0),
+            *o_strides, lse.stride(0), lse.stride(1),
+            num_slots, chunk, qk_scale, kv_scale,
+            PAGE_SIZE=kv_cache.shape[1], NUM_HEADS=num_heads, BLOCK_H=block_h, BLOCK_N=block_n,
+            D_NOPE=KV_LORA_RANK, D_PE=QK_ROPE_DIM, DIRECT=direct, PDL=pdl,
+            num_warps=plan.config.num_warps, num_stages=plan.config.num_stages, launch_pdl=pdl,
+        )
     if not direct:
         every_token = const_arange(2 * num_tokens, q.device, num_tokens, torch.int32)  # [0, T]: one "request"
         _merge_splits(o_part, lse, out, every_token, splits, plan.discard_partials)

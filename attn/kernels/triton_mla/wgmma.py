@@ -35,6 +35,7 @@ from attn.kernels.triton_mla.wgmma_fp8 import QUERY_SCALE, query_to_fp16, widen_
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -54,6 +55,7 @@ D_PE = 64
 # The same sizes as kernel-visible constants; each warpgroup accumulates half of the output dims.
 _constexpr = gl.constexpr if gluon is not None else (lambda value: value)
 _BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _constexpr(D_PE), _constexpr(D_NOPE // 2)
+NUM_WARPS_ = _constexpr(NUM_WARPS)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -64,6 +66,17 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return False
     return (serves_heads(q.shape[1]) and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
             and kv_cache.shape[1] % BLOCK_N == 0 and flat_rows(kv_cache) is not None and flat_rows(q) is not None)
+
+
+def supports_sparse(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether this tile can serve a sparse pass (sparse_mla_decode): Gluon, SM90, heads in whole
+    64-row tiles or fewer (one padded tile), a cache in q's 16-bit dtype or fp8 e4m3, and a query
+    and a cache that flatten to TMA-addressable rows (the query is loaded by TMA; the cache's rows
+    are gathered)."""
+    if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return ((q.shape[1] % BLOCK_M == 0 or q.shape[1] < BLOCK_M) and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+            and flat_rows(kv_cache) is not None and flat_rows(q) is not None)
 
 
 def serves_heads(num_heads: int) -> bool:
@@ -97,6 +110,46 @@ def _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage,
     mbarrier.expect(bar, kv_nope_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(kv_nope_desc, [row, 0], bar, kv_nope_smem.index(stage), pred=pred)
     tma.async_copy_global_to_shared(kv_pe_desc, [row, 0], bar, kv_pe_smem.index(stage), pred=pred)
+
+
+@_jit
+def _gather_tile(kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, kv_nope_smem, kv_pe_smem, ready, stage,
+                 start, hi, PAGE_SIZE: gl.constexpr):
+    """A sparse pass's kv tile: the rows of slots ``[start, start + 64)`` (page * PAGE_SIZE + offset;
+    zeros where a slot is -1 or at ``hi`` and past) into ``stage`` by cp.async, 16 bytes a copy and
+    8 (16-bit) or 4 (fp8) copies a 128-byte swizzle row; each of the warpgroup's 128 threads
+    arrives on ``ready`` once its own copies have landed (the barrier counts 128)."""
+    _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
+    VEC: gl.constexpr = 128 // kv_nope_smem.dtype.primitive_bitwidth
+    COL_THREADS: gl.constexpr = 64 // VEC
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
+                                            warps_per_cta=[4, 1], order=[1, 0])
+    offs = start + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, layout))
+    slot = gl.load(slot_row_ptr + offs, mask=offs < hi, other=-1)
+    valid = slot >= 0
+    slot = gl.where(valid, slot, 0).to(gl.int64)
+    row_ptr = kv_ptr + slot // PAGE_SIZE * stride_kv_page + slot % PAGE_SIZE * stride_kv_row
+    ptrs = row_ptr[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :]
+    mask = valid[:, None]
+    for c in gl.static_range(_D_NOPE // 64):
+        async_copy.async_copy_global_to_shared(kv_nope_smem.index(stage).slice(c * 64, 64, dim=1), ptrs + c * 64,
+                                               mask=mask)
+    async_copy.async_copy_global_to_shared(kv_pe_smem.index(stage), ptrs + _D_NOPE, mask=mask)
+    async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+
+@_jit
+def _next_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage, page, start, pred,
+               kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, hi, PAGE_SIZE: gl.constexpr,
+               SPARSE: gl.constexpr):
+    """The kv tile at ``start`` into ``stage`` where ``pred``: a dense pass's page rows by TMA
+    (_load_tile), a sparse pass's slots' rows by cp.async (_gather_tile)."""
+    if SPARSE:
+        if pred:
+            _gather_tile(kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, kv_nope_smem, kv_pe_smem, ready, stage,
+                         start, hi, PAGE_SIZE)
+    else:
+        _load_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, ready, stage, page, start, pred, PAGE_SIZE)
 
 
 @_jit
@@ -186,15 +239,16 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
                        w0_read, p_ready, a_free, done, row_smem, mask_ptr, b, stride_mb, stride_mq,
                        q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len, qk_scale,
                        o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
-                       NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
+                       slot_row_ptr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
                        HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr):
+                       NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr, SPARSE: gl.constexpr):
     """Warpgroup 0: per kv tile, QK^T, the masked online softmax, P and its rescale factor into the
     stage, PV for output dims 0-255; then the final row sums and maxima for warpgroup 1.
 
     ``ready``: a stage holds its tile. KV_FP8: first widen the tile's latent columns 0-255 from its
     fp8 slot (``landed``) into the stage and say so (``w0_read``), while warpgroup 1 widens the
-    rest (ready: ``widened``)."""
+    rest (ready: ``widened``). SPARSE: the tile's columns are its slots' rows (slot_row_ptr), a
+    -1 slot's masked; cp.async wrote them, so they are fenced before the wgmma reads them."""
     _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
     dtype: gl.constexpr = kv_nope_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -227,6 +281,8 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
     for j in range(num_tiles):
         stage = j % NUM_STAGES
         start = lo + j * _BLOCK_N
+        if SPARSE:
+            tile_slots = gl.load(slot_row_ptr + start + cols_s, mask=start + cols_s < hi, other=-1)
         kv_nope = kv_nope_smem.index(stage)
         kv_pe = kv_pe_smem.index(stage)
         if KV_FP8:
@@ -235,7 +291,10 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
             widen_half(land_nope.index(slot), land_pe.index(slot), kv_nope, kv_pe, 0)
             mbarrier.arrive(w0_read.index(slot), count=1)
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
-        if start + _BLOCK_N > kv_len:
+        if SPARSE:
+            if not KV_FP8:
+                fence_async_shared()
+        elif start + _BLOCK_N > kv_len:
             # Rows past the sequence hold whatever the page held (maybe NaN): P is 0 there, but
             # 0 * NaN is not, so zero those V rows before either PV reads them.
             n_valid = kv_len - start
@@ -250,7 +309,9 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
         qk = s * qk_scale  # log2 domain
-        if start + _BLOCK_N > gl.minimum(hi, full_end):
+        if SPARSE:
+            qk = gl.where(tile_slots[None, :] >= 0, qk, float("-inf"))
+        elif start + _BLOCK_N > gl.minimum(hi, full_end):
             visible = visible_kv(start + cols_s, kv_len, q_pos, mask_rows_ptr, mask_start, row_valid_s, HAS_MASK)
             qk = gl.where(visible, qk, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 1))
@@ -287,8 +348,10 @@ def _softmax_partition(q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem
 def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv_pe_smem, ready, widened, w0_read,
                   p_ready, a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block, h_block, q_start,
                   q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, v_scale,
+                  kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, hi,
                   PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
-                  DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr):
+                  DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_LOADS: gl.constexpr, KV_FP8: gl.constexpr,
+                  SPARSE: gl.constexpr):
     """Warpgroup 1: per kv tile, once P is written, rescale and accumulate PV for output dims
     256-511; with a 16-bit cache then load the tile NUM_STAGES ahead into the stage once warpgroup
     0's PV is off it too (it is otherwise idle, so the copy goes out as early as it can). At the
@@ -298,7 +361,8 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
     is 16-bit: first, once warpgroup 0's PV is off the stage (the rope rows hold its P), widen the
     latent columns 256-511 and the rope columns into it (``widened``; warpgroup 0 widens 0-255),
     and refill the slot with the tile NUM_LOADS ahead once warpgroup 0 is off it too (w0_read, one
-    barrier a slot: a tile's arrival can then never be taken for the one two tiles later)."""
+    barrier a slot: a tile's arrival can then never be taken for the one two tiles later).
+    SPARSE: each copy is a gather of the tile's slots' rows (_gather_tile)."""
     _BLOCK_N: gl.constexpr = kv_nope_smem.shape[1]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _D_HALF, 16])
@@ -308,7 +372,11 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
         stage = j % NUM_STAGES
         slot = j % NUM_LOADS  # a 16-bit cache's copies land in the stages: the same index
         refill = j + NUM_LOADS < num_tiles
-        page = gl.load(bt_row_ptr + (lo + (j + NUM_LOADS) * _BLOCK_N) // PAGE_SIZE, mask=refill, other=0)
+        next_start = lo + (j + NUM_LOADS) * _BLOCK_N
+        if SPARSE:
+            page = 0
+        else:
+            page = gl.load(bt_row_ptr + next_start // PAGE_SIZE, mask=refill, other=0)
         if KV_FP8:
             mbarrier.wait(ready.index(slot), (j // NUM_LOADS) & 1)
             mbarrier.wait(a_free.index(stage), (j - 1) & 1, pred=j > 0)
@@ -316,8 +384,8 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
                         kv_pe_smem.index(stage), 1)
             mbarrier.arrive(widened.index(stage), count=1)
             mbarrier.wait(w0_read.index(slot), (j // NUM_LOADS) & 1)
-            _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, slot, page,
-                       lo + (j + NUM_LOADS) * _BLOCK_N, refill, PAGE_SIZE)
+            _next_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, slot, page, next_start, refill,
+                       kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, hi, PAGE_SIZE, SPARSE)
         mbarrier.wait(p_ready.index(stage), (j // NUM_STAGES) & 1)
         alpha = row_smem.index(stage).load(row_l)
         acc = acc * alpha[:, None]
@@ -327,8 +395,8 @@ def _pv_partition(kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv
         gl.thread_barrier()
         if not KV_FP8:
             mbarrier.wait(a_free.index(stage), (j // NUM_STAGES) & 1, pred=refill)
-            _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, slot, page,
-                       lo + (j + NUM_LOADS) * _BLOCK_N, refill, PAGE_SIZE)
+            _next_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, slot, page, next_start, refill,
+                       kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, hi, PAGE_SIZE, SPARSE)
     mbarrier.wait(done, 0)
     l_i = row_smem.index(NUM_STAGES).load(row_l)
     m_i = row_smem.index(NUM_STAGES + 1).load(row_l)
@@ -344,21 +412,30 @@ def _mla_wgmma_kernel(
     stride_bt, stride_mb, stride_mq,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     num_splits, mask_len, qk_scale, v_scale,
+    kv_ptr, stride_kv_page, stride_kv_row, slots_ptr, stride_st, num_slots, chunk,
     PAGE_SIZE: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_Q: gl.constexpr,
     MIN_CHUNK: gl.constexpr, HAS_MASK: gl.constexpr, DIRECT: gl.constexpr, NUM_STAGES: gl.constexpr,
-    KV_FP8: gl.constexpr, PDL: gl.constexpr,
+    KV_FP8: gl.constexpr, PDL: gl.constexpr, SPARSE: gl.constexpr,
 ):
     """Grid (head blocks x query blocks, splits, batch); see _mla_attention_kernel. Loads the query
     tile and then the first kv tiles, and forks into the two warpgroup roles. PDL: a programmatic
     dependent launch, which sets up its shared memory and barriers, then waits for the kernel
-    before it ahead of its first load."""
+    before it ahead of its first load.
+
+    SPARSE (sparse_mla_decode's pass): grid (tokens x head blocks, splits, 1), fewer heads than a
+    tile's rows padded (the query box's other rows, the next tokens', are computed, never stored);
+    a program's kv tiles
+    are its token's slots ``[split * chunk, split * chunk + chunk)`` of ``slots_ptr`` ([T, K] int32,
+    row stride stride_st, num_slots a token), gathered from the cache at kv_ptr (its page and row
+    strides; the kv descriptors give only the tiles' dtype and layouts), where bt_ptr, seq_lens_ptr,
+    cu_q_ptr and mask_ptr are unused."""
     gl.static_assert(BLOCK_H * BLOCK_Q == _BLOCK_M)
     BOX_ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]  # query_box_rows(BLOCK_H)
     gl.static_assert(BOX_ROWS % BLOCK_H == 0 and _BLOCK_M % BOX_ROWS == 0)
     gl.static_assert(BOX_ROWS == BLOCK_H or BLOCK_H == NUM_HEADS)  # several tokens' heads: consecutive rows
     _BLOCK_N: gl.constexpr = kv_nope_desc.block_type.shape[0]
     gl.static_assert(_BLOCK_N == _BLOCK_M)  # P [64, BLOCK_N] takes the place of the rope rows [BLOCK_N, 64]
-    gl.static_assert(PAGE_SIZE % _BLOCK_N == 0)
+    gl.static_assert(SPARSE or PAGE_SIZE % _BLOCK_N == 0)  # (a sparse pass gathers rows of any page size)
     gl.static_assert(NUM_STAGES >= 2)  # a tile's copy must never land in the stage being computed
     gl.static_assert(not KV_FP8 or NUM_STAGES == 2)  # two fp8 slots and the fp16 stage fill shared memory
     # An fp8 cache: NUM_STAGES fp8 landing slots for the copies and one fp16 compute stage, which
@@ -394,7 +471,10 @@ def _mla_wgmma_kernel(
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        if SPARSE:  # every thread of the copying warpgroup arrives
+            mbarrier.init(ready.index(i), count=NUM_WARPS_ * 32)
+        else:
+            mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(a_free.index(i), count=1)
@@ -409,10 +489,23 @@ def _mla_wgmma_kernel(
 
     split = gl.program_id(1)
     b = gl.program_id(2)
-    q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
-                                                            NUM_HEADS, BLOCK_H)
-    lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
-                                    BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
+    if SPARSE:  # one query token's heads over a chunk of its slots
+        gl.static_assert(BLOCK_Q == 1 and (NUM_HEADS % BLOCK_H == 0 or NUM_HEADS < BLOCK_H))
+        q_start = gl.program_id(0) // gl.cdiv(NUM_HEADS, BLOCK_H)
+        h_block = gl.program_id(0) % gl.cdiv(NUM_HEADS, BLOCK_H)
+        q_block = 0
+        q_len = 1
+        kv_len = 0
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, num_slots)
+        full_end = hi
+        slot_row_ptr = slots_ptr + q_start.to(gl.int64) * stride_st
+    else:
+        q_block, h_block, q_start, q_len, kv_len = program_work(gl.program_id(0), b, cu_q_ptr, seq_lens_ptr,
+                                                                NUM_HEADS, BLOCK_H)
+        lo, hi, full_end = chunk_bounds(kv_len, q_len, q_block, split, num_splits, mask_len,
+                                        BLOCK_Q, _BLOCK_N, MIN_CHUNK, HAS_MASK)
+        slot_row_ptr = slots_ptr
     num_tiles = gl.maximum(gl.cdiv(hi - lo, _BLOCK_N), 0)
     # A program of an empty chunk (a split past a short request's length) runs through, storing a
     # zero partial by the staging: returning here with only its lse written left the reduce's
@@ -425,18 +518,22 @@ def _mla_wgmma_kernel(
     _load_query(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_block, h_block, q_start, q_len,
                 num_tiles, NUM_HEADS, BLOCK_H, BLOCK_Q)
     for i in gl.static_range(NUM_STAGES):
-        page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
-        _load_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, i, page, lo + i * _BLOCK_N,
-                   i < num_tiles, PAGE_SIZE)
+        if SPARSE:
+            page = 0
+        else:
+            page = gl.load(bt_row_ptr + (lo + i * _BLOCK_N) // PAGE_SIZE, mask=i < num_tiles, other=0)
+        _next_tile(kv_nope_desc, kv_pe_desc, land_nope, land_pe, ready, i, page, lo + i * _BLOCK_N, i < num_tiles,
+                   kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, hi, PAGE_SIZE, SPARSE)
     gl.warp_specialize([
         (_softmax_partition, (q_nope_smem, q_pe_smem, q_ready, kv_nope_smem, kv_pe_smem, widened, land_nope, land_pe,
                               ready, w0_read, p_ready, a_free, done, row_smem, mask_ptr, b, stride_mb, stride_mq,
                               q_block, h_block, q_start, q_len, kv_len, lo, hi, full_end, num_tiles, mask_len,
                               qk_scale, o_ptr, lse_ptr, split, stride_ot, stride_oh, stride_os, stride_lt,
-                              stride_lh, v_scale, NUM_HEADS, BLOCK_H, BLOCK_Q, HAS_MASK, DIRECT,
-                              STAGES, NUM_STAGES, KV_FP8)),
+                              stride_lh, v_scale, slot_row_ptr, NUM_HEADS, BLOCK_H, BLOCK_Q, HAS_MASK, DIRECT,
+                              STAGES, NUM_STAGES, KV_FP8, SPARSE)),
         (_pv_partition, (kv_nope_desc, kv_pe_desc, land_nope, land_pe, kv_nope_smem, kv_pe_smem, ready, widened,
                          w0_read, p_ready, a_free, done, row_smem, bt_row_ptr, lo, num_tiles, o_ptr, lse_ptr, q_block,
                          h_block, q_start, q_len, split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                         v_scale, PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, STAGES, NUM_STAGES, KV_FP8)),
+                         v_scale, kv_ptr, stride_kv_page, stride_kv_row, slot_row_ptr, hi,
+                         PAGE_SIZE, NUM_HEADS, BLOCK_H, BLOCK_Q, DIRECT, STAGES, NUM_STAGES, KV_FP8, SPARSE)),
     ], [4], [232])
