@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
 
+from attn.v32_fp8 import V32_FP8_BYTES, V32_FP8_DTYPE, dequantize_v32, quantize_v32
 from attn.values import is_int, is_kv_scale, is_positive_finite
 
 if TYPE_CHECKING:  # (attn.paged imports this module)
@@ -22,9 +23,10 @@ if TYPE_CHECKING:  # (attn.paged imports this module)
 KV_LORA_RANK = 512
 QK_ROPE_DIM = 64
 KV_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576
-# Cache dtypes by the names backends list (kv_dtypes) and SpecConfig.kv_dtype takes.
+# Cache dtypes by the names backends list (kv_dtypes) and SpecConfig.kv_dtype takes. fp8_v32: FlashMLA's
+# V3.2 rows of 656 bytes (attn.v32_fp8), stored as uint8; every other dtype holds 576 values a row.
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn,
-             "fp64": torch.float64}
+             "fp64": torch.float64, "fp8_v32": V32_FP8_DTYPE}
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
@@ -51,6 +53,23 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> t
     return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
 
 
+def kv_row_width(dtype: torch.dtype) -> int:
+    """Elements of one cache row in ``dtype``: 656 bytes for fp8_v32's uint8 rows, else 576 values."""
+    return V32_FP8_BYTES if dtype == V32_FP8_DTYPE else KV_DIM
+
+
+def encode_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``[..., 576]`` latent rows as a cache of ``dtype`` stores them (to_cache_dtype's, or fp8_v32's
+    quantize_v32): ``[..., kv_row_width(dtype)]``."""
+    return quantize_v32(x) if dtype == V32_FP8_DTYPE else to_cache_dtype(x, dtype, scale)
+
+
+def decode_kv(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cache rows ``[..., kv_row_width]`` as the ``[..., 576]`` fp32 values they hold (times the
+    per-tensor ``scale``; fp8_v32's rows carry their own)."""
+    return dequantize_v32(rows) if rows.dtype == V32_FP8_DTYPE else rows.float() * scale
+
+
 def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``arange(0, end, step)`` built once per device and reused (read-only): the index vectors
     of uniform passes are constants, not kernels in every pass and every graph replay. Under
@@ -71,11 +90,12 @@ def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dty
 class KVCacheView:
     """The paged KV storage a backend reads and writes; owned by the engine (specdec.kv).
 
-    kv_buffers: one contiguous ``[num_pages, page_size, 576]`` tensor per layer (KV_DTYPES' dtypes).
+    kv_buffers: one contiguous ``[num_pages, page_size, 576]`` tensor per layer (KV_DTYPES' dtypes;
+        fp8_v32's uint8 rows are 656 wide: kv_row_width).
     req_to_token: ``[max_reqs, max_context_len]`` int32, token slot (page * page_size + offset)
         of each position of each request; positions of a request lie in its pages in order, so
         ``req_to_token[r, ::page_size] // page_size`` is its block table.
-    kv_scale: per-tensor dequantisation scale of an fp8 cache (1.0 otherwise).
+    kv_scale: per-tensor dequantisation scale of an fp8 cache (1.0 otherwise, fp8_v32's too).
     index_buffers: sparse models (DeepSeek-V3.2) only: the indexer's keys, one contiguous
         ``[num_pages, page_size, index_head_dim]`` tensor per layer; empty for dense models. They sit
         beside kv_buffers in the same pool and slots, so a request's pages, trims and frees cover both.
@@ -96,9 +116,10 @@ class KVCacheView:
         # of another layout (e.g. one layer's slice of a page-first pool) that would be a copy,
         # and the writes would be lost.
         for layer, buf in enumerate(self.kv_buffers):
-            if buf.dim() != 3 or tuple(buf.shape[1:]) != (self.page_size, KV_DIM) or not buf.is_contiguous():
+            width = kv_row_width(buf.dtype)
+            if buf.dim() != 3 or tuple(buf.shape[1:]) != (self.page_size, width) or not buf.is_contiguous():
                 raise ValueError(f"KVCacheView: layer {layer}'s kv buffer must be a contiguous [num_pages, "
-                                 f"{self.page_size}, {KV_DIM}] tensor, got shape {tuple(buf.shape)} strides {buf.stride()}")
+                                 f"{self.page_size}, {width}] tensor, got shape {tuple(buf.shape)} strides {buf.stride()}")
         pages = self.kv_buffers[0].shape[0] if self.kv_buffers else None
         if self.index_buffers and len(self.index_buffers) != len(self.kv_buffers):
             raise ValueError(f"KVCacheView: {len(self.index_buffers)} index buffers for {len(self.kv_buffers)} kv "
@@ -111,6 +132,9 @@ class KVCacheView:
         # Checked here, not first by a kernel: that runs after the pass's cache write.
         if not is_kv_scale(self.kv_scale):
             raise ValueError(f"KVCacheView: kv_scale must be a finite positive float in [2**-64, 2**64], "
+                             f"got {self.kv_scale!r}")
+        if self.kv_buffers and self.kv_buffers[0].dtype == V32_FP8_DTYPE and self.kv_scale != 1.0:
+            raise ValueError(f"KVCacheView: an fp8_v32 cache's rows carry their own scales; kv_scale must be 1.0, "
                              f"got {self.kv_scale!r}")
 
     @property
@@ -208,6 +232,7 @@ class AttentionBackend(Protocol):
     needs_cpu_seq_lens: bool  # True: plans from host kv lengths (eager: a sync per pass); False: sync-free
     supports_tree_mask: bool  # attends with a custom (topk > 1) tree mask
     supports_sparse: bool  # runs index_topk and forward_sparse (DeepSeek-V3.2 sparse attention)
+    supports_dense: bool  # runs forward (a dense model's attention); False: sparse passes only
     max_index_topk: Optional[int]  # rows a query token its sparse call takes at most; None: any
     sparse_kv_dtypes: Optional[tuple[str, ...]]  # cache dtypes its sparse passes take (kv_dtypes' names); None: kv_dtypes
     supports_cuda_graph: bool  # its passes can be captured (graphs.runner refuses it otherwise)

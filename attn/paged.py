@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from attn.base import (KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange,
-                       to_cache_dtype)
+                       encode_kv)
 from attn.values import is_int
 from attn.workspace import get_workspace
 
@@ -65,6 +65,7 @@ class PagedMLABackend:
     needs_cpu_seq_lens = False
     supports_tree_mask = False
     supports_sparse = False
+    supports_dense = True  # runs forward (a dense model's passes); False: sparse passes only
     max_index_topk: Optional[int] = None
     sparse_kv_dtypes: Optional[tuple[str, ...]] = None  # None: its sparse passes take every kv_dtypes entry
     supports_cuda_graph = True
@@ -217,6 +218,8 @@ class PagedMLABackend:
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
+        if not self.supports_dense:
+            raise ValueError(f"{self.name} runs sparse passes only (supports_dense=False), not a dense model's forward")
         direct = batch.uniform_q_len and (self.max_decode_q_len is None or batch.max_q_len <= self.max_decode_q_len)
         self._check_pass(q, kv_new, batch, direct)
         if not 0 <= layer_id < len(self.kv.kv_buffers):
@@ -348,7 +351,7 @@ class PagedMLABackend:
             raise ValueError(f"{self.name}: the tree mask's last dim must be contiguous, got strides {mask.stride()}")
 
     def _write_kv(self, cache: torch.Tensor, kv_new: torch.Tensor, loc: torch.Tensor) -> None:
-        rows(cache).index_copy_(0, loc, rows(to_cache_dtype(kv_new, cache.dtype, self.kv.kv_scale)))
+        rows(cache).index_copy_(0, loc, rows(encode_kv(kv_new, cache.dtype, self.kv.kv_scale)))
 
     def bmm1_scale(self) -> float:
         """Scale applied to q·K: k_scale (fp8 cache only) * softmax scale."""

@@ -22,6 +22,7 @@ _BACKENDS = {
     "triton_mla": "attn.backends.triton_mla:TritonMLABackend",
     "flashinfer_mla": "attn.backends.flashinfer_mla:FlashInferMLABackend",
     "flashmla": "attn.backends.flashmla:FlashMLABackend",
+    "flashmla_sparse": "attn.backends.flashmla_sparse:FlashMLASparseBackend",
     "trtllm_mla": "attn.backends.blackwell.trtllm_mla:TrtllmMLABackend",
     "cutedsl_mla": "attn.backends.blackwell.cutedsl_mla:CuteDslMLABackend",
     "tokenspeed_mla": "attn.backends.blackwell.tokenspeed_mla:TokenspeedMLABackend",
@@ -147,6 +148,17 @@ def check_sparse_support(choice: BackendChoice, roles: tuple[str, ...], index_to
             raise ValueError(f"{cls.name} ({role}) runs sparse passes over kv caches of "
                              f"{[n for n in dtypes if n != 'auto']}, not {kv_dtype}, and {needs}; change kv_dtype "
                              f"or set {setting}")
+
+
+def check_dense_support(choice: BackendChoice, roles: tuple[str, ...], model: str) -> None:
+    """A dense model runs its passes of ``roles`` on backends with dense passes (supports_dense):
+    ValueError naming ``model``, the role and the setting to change."""
+    for role in roles:
+        cls, setting = get_backend_class(getattr(choice, role)), ROLE_SETTINGS[role]
+        if not cls.supports_dense:
+            dense = [n for n in backend_names() if get_backend_class(n).supports_dense]
+            raise ValueError(f"{cls.name} ({role}) runs sparse passes only (supports_dense=False), and {model} "
+                             f"(dense attention) runs its {role} passes on it; set {setting} to one of {dense}")
 
 
 def check_context_len(choice: BackendChoice, max_context_len: int) -> None:

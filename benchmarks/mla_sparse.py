@@ -5,7 +5,7 @@
 Every query token attends to its own index_topk (2048) rows, drawn at random without repeats from its
 request's context, over a paged cache of 64-token pages; both kernels read the same rows (slots). Ours
 runs on the 576-wide cache (bf16, or fp8 e4m3 with --kv-dtype fp8); FlashMLA's sparse decode takes only
-its fp8 V3.2 layout (656 bytes a token: to_v32_fp8 quantises the same cache) and 64 or 128 heads, so a
+its fp8 V3.2 layout (656 bytes a token: attn.v32_fp8.quantize_v32 quantises the same cache) and 64 or 128 heads, so a
 16-head row runs it zero-padded to 64 heads, as an engine would. Timing as mla_kernels: CUDA graphs
 whose samples alternate, the cache rotated between copies (ROTATE_BYTES a graph) and the selections
 redrawn for each copy, so no kernel reads its rows from L2. Roofline (per kernel, its own row bytes) =
@@ -25,29 +25,15 @@ from pathlib import Path
 import torch
 
 from attn.base import KV_DIM, KV_LORA_RANK
+from attn.v32_fp8 import V32_FP8_BYTES, quantize_v32
 from benchmarks.mla_kernels import (KV_DTYPES, MAX_ROTATIONS, PAGE_SIZE, PEAK_FLOPS, ROTATE_BYTES, SM_SCALE,
                                     copy_bandwidth, graph_times_us, print_row)
 
 INDEX_TOPK = 2048
-V32_FP8_BYTES = 656  # FlashMLA's V3.2 fp8 row: 512 e4m3 NoPE values, 4 fp32 scales, 64 bf16 RoPE values
-NOPE_TILE = 128  # NoPE values per scale
-FP8_MAX = 448.0
 FLASHMLA_HEADS = (64, 128)
-CONVERT_PAGES = 4096  # pages quantised at a time (to_v32_fp8 holds fp32 copies of them)
+CONVERT_PAGES = 4096  # pages quantised at a time (quantize_v32 holds fp32 copies of them)
 TABLE = dict(batches=(1, 8, 32, 128), contexts=(4096, 16384, 65536, 131072), q_lens=(1, 4), heads=(16, 64, 128))
 QUICK = [(1, 4096, 1, 16), (8, 65536, 1, 128), (32, 131072, 4, 64)]
-
-
-def to_v32_fp8(rows: torch.Tensor) -> torch.Tensor:
-    """``[..., 576]`` 16-bit latent rows -> ``[..., 656]`` uint8 in FlashMLA's V3.2 fp8 layout: the 512
-    NoPE values as e4m3 in 4 tiles of 128, each scaled by its absolute maximum / 448 (the 4 fp32
-    scales follow), then the 64 RoPE values as bf16. E.g. a tile of all 2.0: scale 2/448, e4m3 448."""
-    nope = rows[..., :KV_LORA_RANK].float().unflatten(-1, (-1, NOPE_TILE))
-    scale = (nope.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    quantized = (nope / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
-    parts = (quantized.view(torch.uint8), scale.squeeze(-1).contiguous().view(torch.uint8),
-             rows[..., KV_LORA_RANK:].to(torch.bfloat16).contiguous().view(torch.uint8))
-    return torch.cat(parts, dim=-1)
 
 
 def draw_slots(pages: torch.Tensor, context: int, q_len: int, topk: int, generator: torch.Generator) -> torch.Tensor:
@@ -81,7 +67,7 @@ class SparseCase:
         self.cache = source.to(kv_dtype)
         self.cache_v32 = torch.empty(*source.shape[:3], V32_FP8_BYTES, dtype=torch.uint8, device="cuda")
         for r, start in itertools.product(range(self.rotations), range(0, num_pages, CONVERT_PAGES)):
-            self.cache_v32[r, start:start + CONVERT_PAGES] = to_v32_fp8(source[r, start:start + CONVERT_PAGES])
+            self.cache_v32[r, start:start + CONVERT_PAGES] = quantize_v32(source[r, start:start + CONVERT_PAGES])
         self.slots = torch.stack([draw_slots(self.pages, context, q_len, topk, generator)
                                   for _ in range(self.rotations)]).cuda()  # [R, T, topk]
         tokens = batch * q_len

@@ -8,7 +8,7 @@ from typing import Optional, Protocol
 import torch
 
 from attn.base import AttnBatch, LayerSpec
-from attn.registry import check_sparse_support
+from attn.registry import check_dense_support, check_sparse_support
 from specdec.config import ConfigError, SpecConfig
 
 # The roles (attn.registry.BackendChoice's fields) whose backends run each model's passes.
@@ -143,15 +143,18 @@ def check_draft(draft: DraftModel, target: TargetModel, config: SpecConfig) -> N
 def check_sparse(target: TargetModel, draft: DraftModel, config: SpecConfig, kv_dtype: torch.dtype) -> None:
     """ConfigError, before any pool or backend is built, where a sparse model (``attn_spec().sparse``:
     DeepSeek-V3.2's target, its MTP layer) would run passes on a backend that cannot run its sparse
-    passes of its index_topk over a ``kv_dtype`` cache (attn.registry.check_sparse_support): the
-    target's verify and prefill, the draft's steps, draft-extend and prefill."""
+    passes of its index_topk over a ``kv_dtype`` cache (attn.registry.check_sparse_support), or a
+    dense one on a backend of sparse passes only (check_dense_support): the target's verify and
+    prefill, the draft's steps, draft-extend and prefill."""
     for model, name, roles in ((target, "the target", TARGET_ROLES), (draft, "the draft", DRAFT_ROLES)):
         spec = model.attn_spec()
-        if spec.sparse:
-            try:
+        try:
+            if spec.sparse:
                 check_sparse_support(config.backends, roles, spec.index_topk, kv_dtype, name)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+            else:
+                check_dense_support(config.backends, roles, name)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 class StandaloneDraft(torch.nn.Module):

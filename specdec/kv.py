@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from attn.base import KV_DIM, KVCacheView
+from attn.base import KVCacheView, kv_row_width
 from attn.paged import rows
 from specdec.config import ConfigError, SpecConfig
 
@@ -35,7 +35,7 @@ class _Request:
 class MLAKVPool:
     """KV storage for ``num_layers`` MLA layers and the request -> slot map.
 
-    kv_buffers[layer]: ``[num_pages, page_size, 576]`` of ``dtype``.
+    kv_buffers[layer]: ``[num_pages, page_size, 576]`` of ``dtype`` (fp8_v32's uint8: 656, kv_row_width).
     index_buffers[layer]: ``[num_pages, page_size, index_head_dim]`` of ``index_dtype`` (default
     :meth:`index_dtype_for` ``dtype``), a sparse model's indexer keys (KVCacheView.index_buffers);
     none when index_head_dim is 0.
@@ -67,7 +67,9 @@ class MLAKVPool:
         self.num_pages = num_pages
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.kv_buffers = [torch.zeros(num_pages, page_size, KV_DIM, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        width = kv_row_width(dtype)
+        self.kv_buffers = [torch.zeros(num_pages, page_size, width, dtype=dtype, device=self.device)
+                           for _ in range(num_layers)]
         self.index_buffers = [torch.zeros(num_pages, page_size, index_head_dim, dtype=index_dtype or self.index_dtype_for(dtype),
                                           device=self.device) for _ in range(num_layers if index_head_dim else 0)]
         self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int32, device=self.device)
@@ -89,7 +91,7 @@ class MLAKVPool:
                   dtype: torch.dtype, index_head_dim: int = 0) -> int:
         """The bytes a pool of these sizes allocates (index keys in their default dtype): its KV
         pages, its indexer keys and its req_to_token table."""
-        row = KV_DIM * torch.empty((), dtype=dtype).element_size()
+        row = kv_row_width(dtype) * torch.empty((), dtype=dtype).element_size()
         row += index_head_dim * torch.empty((), dtype=cls.index_dtype_for(dtype)).element_size()
         return num_layers * num_pages * page_size * row + (max_requests + 1) * max_context_len * 4
 
@@ -299,6 +301,6 @@ def check_memory(config: SpecConfig, pools: tuple[tuple[int, int], ...], dtype: 
         keys = f", plus indexer keys of {' + '.join(index)} values a token" if index else ""
         raise ConfigError(
             f"the KV pools need {asked / 2**30:.1f} GiB ({sum(layers for layers, _ in pools)} layers x "
-            f"{config.pool_pages} pages (num_pages) x {config.page_size} tokens x {KV_DIM} x {dtype}{keys}, and "
+            f"{config.pool_pages} pages (num_pages) x {config.page_size} tokens x {kv_row_width(dtype)} x {dtype}{keys}, and "
             f"req_to_token's (max_batch_size + 1) x max_context_len int32 a pool) but {device} has "
             f"{free / 2**30:.1f} GiB available; lower num_pages, max_context_len or max_batch_size")

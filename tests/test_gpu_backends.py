@@ -199,7 +199,7 @@ def test_blackwell_backends_refused_on_hopper(backend):
         pytest.skip("this is a Blackwell GPU")
     target, mtp = make_models("cuda", torch.bfloat16)
     cfg = SpecConfig(attention_backend=backend, kv_dtype="fp8_e4m3", page_size=64)
-    with pytest.raises(ConfigError, match=f"{backend} .*needs a SM10\\S* GPU.*set attention_backend to one that runs here: \\['flashinfer_mla', 'flashmla', 'torch_ref', 'triton_mla'\\]"):
+    with pytest.raises(ConfigError, match=f"{backend} .*needs a SM10\\S* GPU.*set attention_backend to one that runs here: \\['flashinfer_mla', 'flashmla', 'flashmla_sparse', 'torch_ref', 'triton_mla'\\]"):
         EagleWorker(target, mtp, cfg)
 
 

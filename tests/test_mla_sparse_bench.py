@@ -1,39 +1,11 @@
-"""benchmarks/mla_sparse.py's host-side parts on the CPU: FlashMLA's V3.2 fp8 row layout, the drawn
-selections and the target's verdict (the timing needs a GPU)."""
+"""benchmarks/mla_sparse.py's host-side parts on the CPU: the drawn selections and the target's verdict
+(the timing needs a GPU; the V3.2 fp8 rows it times FlashMLA over: tests/test_flashmla_sparse_seam.py)."""
 
 import math
 
 import torch
 
-from attn.base import KV_LORA_RANK
-from benchmarks.mla_sparse import NOPE_TILE, PAGE_SIZE, V32_FP8_BYTES, draw_slots, targets, to_v32_fp8
-
-
-def from_v32_fp8(packed: torch.Tensor) -> torch.Tensor:
-    """to_v32_fp8's inverse up to its rounding: ``[..., 656]`` uint8 -> ``[..., 576]`` fp32."""
-    nope = packed[..., :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float()
-    scale = packed[..., KV_LORA_RANK:KV_LORA_RANK + 16].contiguous().view(torch.float32)
-    rope = packed[..., KV_LORA_RANK + 16:].contiguous().view(torch.bfloat16).float()
-    nope = (nope.unflatten(-1, (-1, NOPE_TILE)) * scale[..., None]).flatten(-2)
-    return torch.cat([nope, rope], dim=-1)
-
-
-def test_v32_fp8_rows_hold_scaled_nope_tiles_then_bf16_rope():
-    rows = torch.randn(3, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    rows[0, :128] = 2.0
-    packed = to_v32_fp8(rows)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, V32_FP8_BYTES)
-    # a tile of all 2.0: scale 2 / 448, every value e4m3 448 (0x7e)
-    assert packed[0, 512:516].view(torch.float32).item() == torch.tensor(2.0 / 448).item()
-    assert (packed[0, :128] == 0x7E).all()
-    for r in range(3):  # each tile's scale is its absolute maximum / 448
-        tiles = rows[r, :512].float().view(4, 128)
-        torch.testing.assert_close(packed[r, 512:528].view(torch.float32), tiles.abs().amax(-1) / 448)
-    back = from_v32_fp8(packed)
-    assert torch.equal(back[:, 512:], rows[:, 512:].float())  # the RoPE part is kept exactly
-    tile_max = rows[:, :512].float().view(3, 4, 128).abs().amax(-1, keepdim=True)
-    error = (back[:, :512] - rows[:, :512].float()).view(3, 4, 128).abs()
-    assert (error <= tile_max * 2**-4).all() and error.max() > 0  # e4m3's 3 mantissa bits, relative to the tile
+from benchmarks.mla_sparse import PAGE_SIZE, draw_slots, targets
 
 
 def test_selections_are_distinct_positions_of_each_tokens_own_request():

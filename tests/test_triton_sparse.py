@@ -308,13 +308,14 @@ print("ok")
 
 
 def compare_sparse_backends(device, dtype, heads, lens, q_len, topk, index_heads, index_dim, kv_scale=1.0,
-                            page_size=16, tree=True):
-    """TritonMLABackend's index_topk and forward_sparse against TorchRefBackend's over one pool (a verify
+                            page_size=16, tree=True, backend="triton_mla"):
+    """``backend``'s index_topk and forward_sparse against TorchRefBackend's over one pool (a verify
     pass of q_len tokens a request, tree-masked where q_len > 1 and ``tree``): the same selections
-    (check_topk's terms), and attention over the reference's selection within ATOL."""
+    (check_topk's terms), and attention over the reference's selection within ATOL (an fp8_v32
+    pool, uint8: random rows quantised)."""
     from attn.backends.torch_ref import TorchRefBackend
-    from attn.backends.triton_mla import TritonMLABackend
-    from attn.base import ForwardMode, LayerSpec
+    from attn.base import ForwardMode, LayerSpec, encode_kv
+    from attn.registry import get_backend_class
     from specdec.batch import uniform_batch
     from specdec.kv import MLAKVPool
 
@@ -325,8 +326,8 @@ def compare_sparse_backends(device, dtype, heads, lens, q_len, topk, index_heads
     rows = [pool.alloc_request() for _ in lens]
     for row, n in zip(rows, lens):
         pool.ensure_capacity(row, n)
-    for buffer in (pool.kv_buffers[0], pool.index_buffers[0]):
-        buffer.copy_(torch.randn(buffer.shape, generator=gen).to(buffer.dtype))
+    pool.kv_buffers[0].copy_(encode_kv(torch.randn(*pool.kv_buffers[0].shape[:2], 576, generator=gen), dtype))
+    pool.index_buffers[0].copy_(torch.randn(pool.index_buffers[0].shape, generator=gen))
     mask = None
     if tree and q_len > 1:
         mask = random_mask(len(lens), q_len, q_len, gen, device) | torch.eye(q_len, dtype=torch.bool, device=device)
@@ -339,9 +340,9 @@ def compare_sparse_backends(device, dtype, heads, lens, q_len, topk, index_heads
     k_new = torch.randn(tokens, index_dim, generator=gen).to(device, torch.bfloat16)
     q = torch.randn(tokens, heads, 576, generator=gen).to(device, torch.bfloat16)
     kv_new = (torch.randn(tokens, 576, generator=gen) * kv_scale).to(device, torch.bfloat16)
-    spec = LayerSpec(num_heads=heads, sm_scale=SM_SCALE)
+    spec = LayerSpec(num_heads=heads, sm_scale=SM_SCALE, index_topk=topk, index_head_dim=index_dim)
     chosen, outs = [], []
-    for cls in (TorchRefBackend, TritonMLABackend):
+    for cls in (TorchRefBackend, get_backend_class(backend)):
         backend = cls(pool.view(), spec, len(lens), q_len, q_len)
         backend.init_forward_metadata(batch)
         chosen.append(backend.index_topk(q_index, weights, k_new, 0, batch, topk))
@@ -394,6 +395,15 @@ def test_backend_sparse_passes_on_gpu(heads, q_len):
     compare_sparse_backends("cuda", torch.bfloat16, heads, (3000, 70, 9000), q_len, 2048, 64, 128, page_size=64)
     compare_sparse_backends("cuda", torch.float8_e4m3fn, heads, (3000, 70, 9000), q_len, 2048, 64, 128,
                             kv_scale=0.5, page_size=64)
+
+
+@pytest.mark.parametrize("heads, q_len", [(16, 1), (64, 4), (128, 4)])
+@gpu
+def test_flashmla_sparse_passes_on_gpu(heads, q_len):
+    """FlashMLA's sparse decode over the fp8_v32 rows against torch_ref over the same rows."""
+    pytest.importorskip("flash_mla", reason="flashmla_sparse needs the sgl-flash-mla wheel")
+    compare_sparse_backends("cuda", torch.uint8, heads, (3000, 70, 9000), q_len, 2048, 64, 128, page_size=64,
+                            backend="flashmla_sparse")
 
 
 def _sparse_step(index, q, kv, mask):

@@ -17,7 +17,7 @@ import torch
 
 from attn import registry
 from attn.backends.torch_ref import TorchRefBackend
-from attn.base import LayerSpec
+from attn.base import KV_DTYPES, LayerSpec
 from specdec.config import ConfigError, SpecConfig
 from specdec.draft import StandaloneDraft
 from specdec.kv import MLAKVPool
@@ -319,38 +319,48 @@ def test_a_dense_draft_of_a_sparse_target_runs_on_a_dense_draft_backend(test_bac
     assert [r.output for r in reqs] == reference(sparse_target, [(group, 10)])
 
 
-def gpu_sparse_worker(topk: int, ndt, max_bs: int = 6):
-    """The V3.2 target and its MTP head on the GPU (fp32) under triton_mla over a bf16 cache."""
+# The GPU sparse backends, each over the cache it takes and its page size.
+GPU_SPARSE = {"triton_mla": ("bf16", 16), "flashmla_sparse": ("fp8_v32", 64)}
+
+
+def gpu_sparse_worker(backend: str, topk: int, ndt, max_bs: int = 6):
+    """The V3.2 target and its MTP head on the GPU (fp32) under ``backend`` (GPU_SPARSE's cache)."""
+    if backend == "flashmla_sparse":
+        pytest.importorskip("flash_mla", reason="flashmla_sparse needs the sgl-flash-mla wheel")
     target, mtp = (m.to("cuda") for m in v32_models())
-    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, attention_backend="triton_mla", kv_dtype="bf16",
-                     page_size=16, max_batch_size=max_bs, max_context_len=256)
+    kv_dtype, page_size = GPU_SPARSE[backend]
+    cfg = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=ndt, attention_backend=backend, kv_dtype=kv_dtype,
+                     page_size=page_size, max_batch_size=max_bs, max_context_len=256)
     return target, EagleWorker(target, mtp, cfg)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(GPU_SPARSE))
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
-def test_triton_mla_worker_is_lossless_on_gpu(topk, ndt, graphs):
-    """triton_mla's sparse passes (indexer and sparse decode kernels) under the worker, eager and
+def test_worker_is_lossless_on_gpu(backend, topk, ndt, graphs):
+    """Each sparse backend's passes (indexer and sparse decode kernels) under the worker, eager and
     graphed, with joins: the target-only greedy outputs over the same backend and cache, and every
     page back."""
-    target, worker = gpu_sparse_worker(topk, ndt)
+    target, worker = gpu_sparse_worker(backend, topk, ndt)
     if graphs:
         worker.capture_graphs([1, 2, 4, 6], progress=False)
     groups = [(prompts(2, seed=1), 30), (prompts(3, seed=2), 20), (prompts(1, seed=3), 25)]
     outputs, _ = run_to_completion(worker, groups, join_every=3)
-    assert outputs == reference(target, groups, backend="triton_mla", kv_dtype=torch.bfloat16, page_size=16)
+    kv_dtype, page_size = GPU_SPARSE[backend]
+    assert outputs == reference(target, groups, backend=backend, kv_dtype=KV_DTYPES[kv_dtype], page_size=page_size)
     assert worker.target_pool.num_free_pages == worker.config.pool_pages - 1
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(GPU_SPARSE))
 @pytest.mark.parametrize("graphs", [False, True])
-def test_triton_mla_worker_steps_have_no_host_sync(graphs):
+def test_worker_steps_have_no_host_sync(backend, graphs):
     """A topk 2 tree's steps over the sparse model, a join between them: launch_step never syncs."""
     from test_graphs import _launch_without_sync, _runs
 
     for checked in _runs(graphs):
-        _, worker = gpu_sparse_worker(2, 6, max_bs=4)
+        _, worker = gpu_sparse_worker(backend, 2, 6, max_bs=4)
         if graphs:
             worker.capture_graphs([1, 2, 4], progress=False)
         worker.add_requests(prompts(2, seed=5), 40)

@@ -15,7 +15,7 @@ import torch
 
 import torch.nn.functional as F
 
-from attn.base import KV_DIM, KV_LORA_RANK
+from attn.base import KV_DIM, KV_LORA_RANK, decode_kv, kv_row_width
 from attn.paged import RaggedKernelBackend
 
 _CHUNK_BYTES = 256 << 20  # fp32 scores of one chunk of query positions, all requests and heads
@@ -61,8 +61,9 @@ def paged_mla_reference(
     _CHUNK_BYTES a chunk of query positions (one position at least), no kv copy per query token.
     """
     num_tokens, num_heads, dim = q.shape
-    if dim != KV_DIM or kv_cache.shape[-1] != KV_DIM:
-        raise ValueError(f"expected 576-wide query and cache rows, got q {tuple(q.shape)}, cache {tuple(kv_cache.shape)}")
+    if dim != KV_DIM or kv_cache.shape[-1] != kv_row_width(kv_cache.dtype):
+        raise ValueError(f"expected 576-wide queries and cache rows (656 bytes: fp8_v32), got q {tuple(q.shape)}, "
+                         f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
     page_size = kv_cache.shape[1]
     batch_size, max_pages = block_tables.shape
     max_kv = max_pages * page_size
@@ -76,7 +77,8 @@ def paged_mla_reference(
         in_request = offsets[None, :] < seq_lens[:, None]  # [B, max_kv]
         slots = block_tables.long()[:, offsets // page_size] * page_size + offsets % page_size
         slots = torch.where(in_request, slots, 0)
-        kv = torch.where(in_request[..., None], kv_cache.reshape(-1, KV_DIM)[slots].float() * kv_scale, 0.0)
+        cached = kv_cache.reshape(-1, kv_cache.shape[-1])[slots]
+        kv = torch.where(in_request[..., None], decode_kv(cached, kv_scale), 0.0)
         # Queries padded per request, [B, max_q_len] cells (no kv copy per token), in chunks of
         # query positions whose scores stay within _CHUNK_BYTES.
         q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -149,11 +151,12 @@ def indexer_topk_reference(
 def sparse_mla_reference(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, sm_scale: float,
                          kv_scale: float = 1.0) -> torch.Tensor:
     """Attention of latent queries q ``[T, H, 576]`` over their own rows ``slots`` ``[T, K]`` int32
-    (cache slots, -1: none) of kv_cache ``[num_pages, page_size, 576]`` (K the row, V its first 512).
+    (cache slots, -1: none) of kv_cache ``[num_pages, page_size, 576]`` (K the row, V its first 512;
+    fp8_v32's 656-byte rows dequantised: attn.base.decode_kv).
     Returns ``[T, H, 512]`` in q's dtype, 0 for a token with no row; fp32 math over ``[T, K, 576]``
     gathered rows."""
     valid = slots >= 0
-    kv = kv_cache.reshape(-1, KV_DIM)[torch.where(valid, slots, 0).long()].float() * kv_scale
+    kv = decode_kv(kv_cache.reshape(-1, kv_cache.shape[-1])[torch.where(valid, slots, 0).long()], kv_scale)
     kv = torch.where(valid[..., None], kv, 0.0)  # a NaN in a stand-in row would survive its zero probability
     scores = torch.einsum("thd,tkd->thk", q.float(), kv).mul_(sm_scale)
     scores.masked_fill_(~valid[:, None, :], float("-inf"))
@@ -167,7 +170,7 @@ class TorchRefBackend(RaggedKernelBackend):
     name = "torch_ref"
     kernel_family = "torch_ref"
     supports_sparse = True
-    kv_dtypes = (*RaggedKernelBackend.kv_dtypes, "fp64")  # any cache dtype: attention math is fp32 regardless
+    kv_dtypes = (*RaggedKernelBackend.kv_dtypes, "fp64", "fp8_v32")  # any cache dtype: the math is fp32 regardless
 
     def _run_ragged_kernel(self, query, kv_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, custom_mask,
                            max_seq_len):
