@@ -7,7 +7,6 @@ here too (attn.v32_fp8)."""
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
@@ -20,25 +19,14 @@ from specdec.config import ConfigError, SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.worker import EagleWorker
 from spec_helpers import make_models, prompts, reference, run_to_completion
+from test_flashmla_seam import DocumentedFlashMLA
 from test_worker_v32 import INDEX_TOPK, v32_models
 
 
-class DocumentedSparseFlashMLA(types.ModuleType):
+class DocumentedSparseFlashMLA(DocumentedFlashMLA):
     """``flash_mla``'s sparse entry points as its interface documents them. The scheduler's tile
-    metadata is a fresh tensor a call, so a decode can check that its schedule is its own pass's."""
-
-    def __init__(self) -> None:
-        super().__init__("flash_mla")
-        self.schedules: list[tuple[torch.Tensor, int, int, int]] = []  # (tiles, tokens, heads, topk) a call
-        self.decodes: list[int] = []  # per decode call: the index of its schedule
-
-    @staticmethod
-    def has_legacy() -> bool:
-        return True
-
-    @staticmethod
-    def get_mla_metadata(*args, **kwargs):
-        return types.SimpleNamespace(tile_scheduler_metadata=None, num_splits=None), None
+    metadata is a fresh tensor a call, so a decode can check that its schedule is its own pass's:
+    schedules holds (tiles, tokens, heads, topk) a call."""
 
     def get_mla_decoding_metadata(self, seqlens_k, num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False,
                                   topk=None, use_legacy=False):

@@ -457,8 +457,14 @@ def _skip_trees_without_masks(backend, topk):
 def test_whole_step_has_no_host_sync(backend, graphs, topk):
     """Steps with a join and page growth in between: launch_step (pages, inputs, draft, tree,
     verify, accept, KV commit, draft-extend) never syncs, eager or graphed."""
+    check_steps_without_sync(lambda: gpu_worker(backend, topk=topk, ndt=6 if topk > 1 else None)[1], graphs)
+
+
+def check_steps_without_sync(make_worker, graphs: bool) -> None:
+    """Six steps of a fresh worker (``make_worker()``, graphs captured for batches 1, 2 and 4 where
+    ``graphs``), a join and page growth in between: no launch_step syncs (_launch_without_sync)."""
     for checked in _runs(graphs):
-        _, worker = gpu_worker(backend, topk=topk, ndt=6 if topk > 1 else None)
+        worker = make_worker()
         if graphs:
             worker.capture_graphs([1, 2, 4], progress=False)
         worker.add_requests(prompts(2, seed=5), 40)

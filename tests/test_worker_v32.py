@@ -357,14 +357,6 @@ def test_worker_is_lossless_on_gpu(backend, topk, ndt, graphs):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_worker_steps_have_no_host_sync(backend, graphs):
     """A topk 2 tree's steps over the sparse model, a join between them: launch_step never syncs."""
-    from test_graphs import _launch_without_sync, _runs
+    from test_graphs import check_steps_without_sync
 
-    for checked in _runs(graphs):
-        _, worker = gpu_sparse_worker(backend, 2, 6, max_bs=4)
-        if graphs:
-            worker.capture_graphs([1, 2, 4], progress=False)
-        worker.add_requests(prompts(2, seed=5), 40)
-        for i in range(6):
-            if i == 3:
-                worker.add_requests(prompts(1, seed=6), 20)
-            _launch_without_sync(worker, checked, graphs)
+    check_steps_without_sync(lambda: gpu_sparse_worker(backend, 2, 6, max_bs=4)[1], graphs)

@@ -32,6 +32,15 @@ def load_flash_mla():
     return flash_mla
 
 
+def pass_schedule(flash_mla, *args, **kwargs):
+    """A FlashMLASchedMeta holding the split schedule that FlashMLA's scheduler kernel makes on the
+    device (legacy ``get_mla_decoding_metadata(*args, **kwargs)``): one a pass, its layers share it."""
+    tiles, splits = flash_mla.get_mla_decoding_metadata(*args, use_legacy=True, **kwargs)
+    schedule, _ = flash_mla.get_mla_metadata()
+    schedule.tile_scheduler_metadata, schedule.num_splits = tiles, splits
+    return schedule
+
+
 class FlashMLABackend(PagedMLABackend):
     name = "flashmla"
     kernel_family = "flashmla"
@@ -59,17 +68,13 @@ class FlashMLABackend(PagedMLABackend):
         super().init_forward_metadata(batch, shared_block_tables)
         if batch.batch_size == 0:
             return
-        md = self.metadata
         try:
-            tiles, splits = self._flash_mla.get_mla_decoding_metadata(
-                md.seq_lens, batch.max_q_len * self.layer.num_heads, 1, self.layer.num_heads,
-                is_fp8_kvcache=self._fp8, use_legacy=True)
+            heads = self.layer.num_heads
+            self._schedule = pass_schedule(self._flash_mla, self.metadata.seq_lens, batch.max_q_len * heads, 1, heads,
+                                           is_fp8_kvcache=self._fp8)
         except BaseException:
             self.metadata = None
             raise
-        schedule, _ = self._flash_mla.get_mla_metadata()
-        schedule.tile_scheduler_metadata, schedule.num_splits = tiles, splits
-        self._schedule = schedule
 
     def _run_decode_kernel(self, query, kv_cache, block_tables, seq_lens, max_seq_len, custom_mask):
         """query ``[B, q_len, H, 576]`` -> ``[B, q_len, H, 512]`` in query's dtype; causal for q_len > 1

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from attn.backends.flashmla import load_flash_mla
+from attn.backends.flashmla import load_flash_mla, pass_schedule
 from attn.backends.triton_mla import TritonMLABackend
 from attn.base import KV_LORA_RANK, AttnBatch
 from attn.paged import PagedMLABackend
@@ -65,14 +65,10 @@ class FlashMLASparseBackend(PagedMLABackend):
         heads, topk = kernel_heads(self.layer.num_heads), padded_topk(self.layer.index_topk)
         lengths = torch.full((batch.num_tokens,), topk, dtype=torch.int32, device=self.kv.device)
         try:
-            tiles, splits = self._flash_mla.get_mla_decoding_metadata(
-                lengths, heads, 1, heads, is_fp8_kvcache=True, topk=topk, use_legacy=True)
+            self._schedule = pass_schedule(self._flash_mla, lengths, heads, 1, heads, is_fp8_kvcache=True, topk=topk)
         except BaseException:
             self.metadata = None
             raise
-        schedule, _ = self._flash_mla.get_mla_metadata()
-        schedule.tile_scheduler_metadata, schedule.num_splits = tiles, splits
-        self._schedule = schedule
 
     _run_index_kernel = TritonMLABackend._run_index_kernel  # the indexer's top-k: Triton's
 
