@@ -18,6 +18,9 @@ accumulator and spills; here the roles follow FlashInfer FA3-MLA's:
   landed), ``p_ready`` (P and rescale written), ``a_free`` (warpgroup 0's PV off a stage), ``done``.
 - 16-bit stores leave through shared memory a warpgroup is done with (_store_half); an fp8 cache
   lands in two 36 KB slots and is widened in halves into one fp16 stage (wgmma_fp8.py).
+- SPARSE (sparse_mla_decode's passes, DeepSeek-V3.2): a program is one token's 64 heads (fewer:
+  padded) over its own slots; the kv tiles are its slots' rows, gathered by cp.async (_gather_tile)
+  where the dense pass's TMA lands them, and everything after the copy is the dense tile's.
 
 Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
 SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
