@@ -75,7 +75,7 @@ from benchmarks.scale_report import plot_or_say_why, read_csv, row_key, table_li
 from specdec.baseline import GreedyDecoder
 from specdec.config import ConfigError, SpecConfig
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
-from specdec.parallel import SINGLE, Parallel
+from specdec.parallel import Parallel, launch_problem, start_ranks
 from specdec.worker import EagleWorker
 
 PAGE_SIZE = 64
@@ -379,28 +379,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ap.error("--iters, --layers and --context must be >= 1, --warmup >= 0")
     if not (args.smoke or args.merge) and not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU; --smoke runs its CPU smoke test")
-    world = os.environ.get("WORLD_SIZE", "1")
-    if args.tp < 1 or (args.tp > 1 and world != str(args.tp)):
-        ap.error(f"--tp {args.tp} runs under torchrun --nproc-per-node {args.tp} (WORLD_SIZE is {world})")
-    if args.tp > 1 and not args.smoke and torch.cuda.device_count() < args.tp:
-        ap.error(f"--tp {args.tp} needs {args.tp} CUDA devices; this machine has {torch.cuda.device_count()}")
+    problem = launch_problem(args.tp, torch.device("cpu" if args.smoke else "cuda"))
+    if problem:
+        ap.error(f"--tp {args.tp}: {problem}")
     return args
 
 
-def start_ranks(args: argparse.Namespace) -> tuple[Parallel, str]:
-    """This process's rank and device: one process at --tp 1; under torchrun the group (NCCL over
-    cuda:LOCAL_RANK, gloo on the CPU), and ranks past 0 print nothing."""
-    device = "cpu" if args.smoke else "cuda"
-    if args.tp == 1:
-        return SINGLE, device
-    if device == "cuda":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("gloo" if args.smoke else "nccl")
-    parallel = Parallel.from_distributed()
+def start_rank(args: argparse.Namespace) -> tuple[Parallel, str]:
+    """This process's rank and device (specdec.parallel.start_ranks: --smoke on the CPU over gloo);
+    ranks past 0 print nothing."""
+    parallel, device = start_ranks(args.tp, torch.device("cpu" if args.smoke else "cuda"))
     if parallel.rank:
         sys.stdout = open(os.devnull, "w")
-    return parallel, device
+    return parallel, str(device)
 
 
 def backend_refusal(backend: str, device: str) -> Optional[str]:
@@ -520,7 +511,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.merge:
         return merge(args)
-    parallel, device = start_ranks(args)
+    parallel, device = start_rank(args)
     cuda = device != "cpu"
     run = Run(args, writes=parallel.rank == 0)
     name = torch.cuda.get_device_name() if cuda else "CPU (smoke: eager, times are not measurements)"

@@ -35,7 +35,7 @@ from specdec.config import SpecConfig
 from specdec.kv import check_memory
 from specdec.models import DeepseekMTP, DeepseekV3Config, DeepseekV3ForCausalLM
 from specdec.models import load_deepseek, load_mtp
-from specdec.parallel import Parallel
+from specdec.parallel import Parallel, launch_problem, start_ranks
 from specdec.sampling import SamplingParams
 from specdec.worker import EagleWorker
 from train_tiny import DEFAULT_OUT, stdlib_files
@@ -294,20 +294,10 @@ def parser() -> argparse.ArgumentParser:
 
 def start_parallel(ap: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> tuple[Parallel, torch.device]:
     """This process's rank (one process without --tp) and its device; other ranks print nothing."""
-    if args.tp < 1:
-        ap.error(f"--tp must be at least 1, got {args.tp}")
-    if args.tp == 1:
-        return Parallel(), device
-    world = os.environ.get("WORLD_SIZE")
-    if world != str(args.tp):
-        ap.error(f"--tp {args.tp} runs under torchrun --nproc-per-node {args.tp} (WORLD_SIZE is {world})")
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if device.index >= torch.cuda.device_count():
-            ap.error(f"--tp {args.tp}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    parallel = Parallel.from_distributed()
+    problem = launch_problem(args.tp, device)
+    if problem:
+        ap.error(f"--tp {args.tp}: {problem}")
+    parallel, device = start_ranks(args.tp, device)
     if parallel.rank:
         sys.stdout = open(os.devnull, "w")
     return parallel, device

@@ -9,6 +9,7 @@ worker above makes the same decisions on every rank without exchanging any.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -76,3 +77,38 @@ class Parallel:
 
 
 SINGLE = Parallel()
+
+
+def launch_problem(tp: int, device: torch.device) -> Optional[str]:
+    """Why this process cannot be one of ``tp`` tensor-parallel ranks on ``device`` (cpu or cuda),
+    or None: tp is an int >= 1; above 1 the process runs under torchrun with WORLD_SIZE == tp and,
+    on CUDA, its LOCAL_RANK names a device of this machine. Reads the environment only."""
+    if not isinstance(tp, int) or tp < 1:
+        return f"tensor parallelism needs an int >= 1 ranks, got {tp!r}"
+    if tp == 1:
+        return None
+    world = os.environ.get("WORLD_SIZE")
+    if world != str(tp):
+        return f"tensor parallelism over {tp} ranks runs under torchrun --nproc-per-node {tp} (WORLD_SIZE is {world})"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.device(device).type == "cuda" and local >= torch.cuda.device_count():
+        return (f"rank {local} of {tp} runs on cuda:{local}, and this machine has {torch.cuda.device_count()} CUDA "
+                "device(s)")
+    return None
+
+
+def start_ranks(tp: int, device: torch.device) -> tuple[Parallel, torch.device]:
+    """This process's rank of ``tp`` and its device: (SINGLE, device) at tp 1; above, the world
+    group of a freshly initialised torch.distributed (NCCL over cuda:LOCAL_RANK, made the current
+    device, or gloo on the CPU). ValueError with launch_problem's reason before anything starts."""
+    problem = launch_problem(tp, device)
+    if problem:
+        raise ValueError(problem)
+    device = torch.device(device)
+    if tp == 1:
+        return SINGLE, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Parallel.from_distributed(), device

@@ -66,4 +66,4 @@ def test_tp_outside_torchrun_is_a_usage_error() -> None:
     run = subprocess.run([sys.executable, "examples/eagle_deepseek.py", "--device", "cpu", "--tp", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
-    assert run.returncode == 2 and "--tp 2 runs under torchrun --nproc-per-node 2" in run.stderr, run.stderr
+    assert run.returncode == 2 and "--tp 2: tensor parallelism over 2 ranks runs under torchrun --nproc-per-node 2" in run.stderr, run.stderr

@@ -233,4 +233,4 @@ def test_tp_outside_torchrun_is_a_usage_error():
     run = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--smoke", "--tp", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
-    assert run.returncode == 2 and "--tp 2 runs under torchrun --nproc-per-node 2" in run.stderr, run.stderr
+    assert run.returncode == 2 and "--tp 2: tensor parallelism over 2 ranks runs under torchrun --nproc-per-node 2" in run.stderr, run.stderr

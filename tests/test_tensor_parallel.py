@@ -261,3 +261,21 @@ def test_each_rank_holds_its_slice(ranks, checkpoint):
     replicated = kv_a + sum(p.numel() * 4 for n, p in target.named_parameters() if "norm" in n or "mlp.gate." in n)
     assert any("experts_gate_up" in n for n, _ in target.named_parameters())
     assert all(res["param_bytes"] == replicated + (whole - replicated) // tp for res in results)
+
+
+def test_launch_problems_are_named_before_anything_starts(monkeypatch):
+    """launch_problem reads the environment only: a bad tp, a world of another size than tp, and a
+    LOCAL_RANK past this machine's CUDA devices are reasons; torchrun's matching world is none."""
+    from specdec.parallel import launch_problem, start_ranks
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert launch_problem(1, cpu) is None and launch_problem(1, cuda) is None
+    assert "an int >= 1 ranks, got 0" in launch_problem(0, cpu)
+    assert "over 2 ranks runs under torchrun --nproc-per-node 2 (WORLD_SIZE is None)" in launch_problem(2, cpu)
+    with pytest.raises(ValueError, match="runs under torchrun --nproc-per-node 2"):
+        start_ranks(2, cpu)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    assert launch_problem(2, cpu) is None
+    assert f"runs on cuda:{torch.cuda.device_count()}, and this machine has" in launch_problem(2, cuda)
