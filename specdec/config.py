@@ -41,7 +41,8 @@ class SpecConfig:
         (default: attention_backend, or its family's fallback; see attn.registry).
     page_size: tokens per KV page; must divide max_context_len. The Blackwell backends take 32 or
         64: another value becomes 64 here, with a warning.
-    kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp8_e4m3", or "fp32" / "fp64" (torch_ref only).
+    kv_dtype: "auto" (model dtype), "bf16", "fp16", "fp8_e4m3", or "fp32" / "fp64" (torch_ref only);
+        "fp8_v32": FlashMLA's 656-byte V3.2 rows with their own scales (flashmla_sparse, torch_ref).
     kv_scale: the per-tensor scale of an fp8_e4m3 cache, both pools: the cache stores kv / kv_scale
         (saturating at +-448) and the kernels scale back (a checkpoint's k_scale, or a calibration).
         1.0 for other kv dtypes.
