@@ -15,7 +15,7 @@ import functools
 import torch
 
 from attn.kernels.triton_mla.chunks import visible_kv
-from attn.kernels.triton_mla.kernel import _expect, _jit, _num_sms, tl, triton
+from attn.kernels.triton_mla.kernel import _expect, _jit, _num_sms, expect_one_device, tl, triton
 from attn.kernels.triton_mla.plan import next_pow2
 from attn.values import is_int
 
@@ -141,9 +141,7 @@ def _check_inputs(q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q,
                and custom_mask.shape[2] >= 1 and custom_mask.stride(2) == 1,
                f"custom_mask must be [B={batch_size}, max_q_len, M >= 1] bool, last dim contiguous, got "
                f"{tuple(custom_mask.shape)} {custom_mask.dtype}")
-    tensors = (q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, custom_mask)
-    devices = {t.device for t in tensors if t is not None}
-    expect(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    expect_one_device((q, weights, index_cache, block_tables, seq_lens, cu_seqlens_q, custom_mask), "indexer_topk")
 
 
 def indexer_topk(

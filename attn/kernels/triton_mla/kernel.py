@@ -306,6 +306,12 @@ def _expect(ok: bool, message: str, caller: str = "mla_paged_attention") -> None
         raise ValueError(f"{caller}: {message}")
 
 
+def expect_one_device(tensors, caller: str) -> None:
+    """ValueError naming ``caller`` unless every tensor of ``tensors`` (None: skipped) is on one device."""
+    devices = {t.device for t in tensors if t is not None}
+    _expect(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}", caller)
+
+
 def _check_inputs(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -361,9 +367,7 @@ def _check_inputs(
                 f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if max_kv_len is not None:
         _expect(is_int(max_kv_len) and max_kv_len >= 1, f"max_kv_len must be a positive int, got {max_kv_len!r}")
-    tensors = [q, kv_cache, block_tables, seq_lens, cu_seqlens_q, custom_mask, out]
-    devices = {t.device for t in tensors if t is not None}
-    _expect(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    expect_one_device([q, kv_cache, block_tables, seq_lens, cu_seqlens_q, custom_mask, out], "mla_paged_attention")
 
 
 def mla_paged_attention(

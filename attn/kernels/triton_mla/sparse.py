@@ -18,7 +18,7 @@ import torch
 
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM, const_arange
 from attn.kernels.triton_mla.kernel import (_LOG2E, _expect, _has_pdl, _jit, _merge_splits, _num_sms,
-                                            online_softmax_step, store_rows, tl, triton)
+                                            expect_one_device, online_softmax_step, store_rows, tl, triton)
 from attn.kernels.triton_mla import wgmma as wgmma_tile
 from attn.kernels.triton_mla.plan import MAX_SPLITS, chunk_len, min_split_len, plan_launch
 from attn.kernels.triton_mla.tma import row_descriptors
@@ -100,8 +100,7 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     if num_splits is not None:
         expect(is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS,
                f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    devices = {t.device for t in (q, kv_cache, slots, out) if t is not None}
-    expect(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    expect_one_device((q, kv_cache, slots, out), "sparse_mla_decode")
 
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, sm_scale: float,
