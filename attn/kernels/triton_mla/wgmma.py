@@ -6,25 +6,21 @@ fp8 e4m3 whose pages hold whole 64-row kv tiles, a query and a cache whose rows 
 SM90. Triton's own lowering of that tile keeps the query in registers next to the [64, 512] fp32
 accumulator and spills; here the roles follow FlashInfer FA3-MLA's:
 
-- the query tile ([64, 512] + [64, 64] bf16) arrives by TMA in query_box_rows boxes (``q_ready``)
-  and stays in shared memory; kv tiles ([64, 576]) arrive by TMA into NUM_STAGES stages of 72 KB.
-- Warpgroup 0 (``_softmax_partition``): the whole [64, 64] QK^T of a tile (the query read once a
-  kv tile), the online softmax, PV for output dims 0-255. Warpgroup 1 (``_pv_partition``): PV for
-  dims 256-511, then each stage's next TMA once both PVs are off it. Each holds a [64, 256] fp32
-  accumulator (128 registers a thread); every wgmma is waited for where it is issued (one left in
-  flight made ptxas serialise them all: warning C7515).
-- P ([64, 64]) overwrites the tile's rope rows, which QK^T is done with, and is both PVs' A
-  operand; the rescale factor goes through a 64-float slot per stage. mbarriers: ``ready`` (TMA
-  landed), ``p_ready`` (P and rescale written), ``a_free`` (warpgroup 0's PV off a stage), ``done``.
+- the query tile ([64, 576] bf16) arrives by TMA in query_box_rows boxes (``q_ready``) and stays in
+  shared memory; kv tiles ([64, 576]) arrive by TMA into NUM_STAGES stages of 72 KB.
+- Warpgroup 0 (``_softmax_partition``): the [64, 64] QK^T of a tile, the online softmax, PV for
+  output dims 0-255. Warpgroup 1 (``_pv_partition``): PV for dims 256-511, then each stage's next
+  TMA once both PVs are off it. Each holds a [64, 256] fp32 accumulator; every wgmma is waited for
+  where it is issued (docs/kernels.md says why).
+- P ([64, 64]) overwrites the tile's rope rows and is both PVs' A operand; mbarriers: ``ready``
+  (TMA landed), ``p_ready`` (P and rescale written), ``a_free`` (warpgroup 0's PV off a stage), ``done``.
 - 16-bit stores leave through shared memory a warpgroup is done with (_store_half); an fp8 cache
   lands in two 36 KB slots and is widened in halves into one fp16 stage (wgmma_fp8.py).
-- SPARSE (sparse_mla_decode's passes, DeepSeek-V3.2): a program is one token's 64 heads (fewer:
-  padded) over its own slots; the kv tiles are its slots' rows, gathered by cp.async (_gather_tile)
-  where the dense pass's TMA lands them, and everything after the copy is the dense tile's.
+- SPARSE (sparse_mla_decode, DeepSeek-V3.2): one token's 64 heads (fewer: padded) over its own
+  slots, whose rows cp.async gathers into the stages (_gather_tile); the rest is the dense tile's.
 
 Shared memory: 72 KB query + 2 x 72 KB kv (fp8: a 72 KB stage + 2 x 36 KB slots), one program per
-SM; no spills (tests/test_triton_mla_wgmma.py compiles it for sm_90a on the CPU and checks both).
-Timings, profiles and the designs measured and dropped: docs/kernels.md.
+SM, no spills (tests/test_triton_mla_wgmma.py). Timings and the designs dropped: docs/kernels.md.
 """
 
 from __future__ import annotations
