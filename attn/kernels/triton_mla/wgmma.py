@@ -57,25 +57,25 @@ _BLOCK_M, _D_NOPE, _D_PE, _D_HALF = _constexpr(BLOCK_M), _constexpr(D_NOPE), _co
 NUM_WARPS_ = _constexpr(NUM_WARPS)
 
 
-def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether this tile can serve a launch: Gluon present, an SM90 device, heads it serves
-    (serves_heads), a cache in q's 16-bit dtype or fp8 e4m3 whose pages hold whole kv tiles, and a
-    cache and a query that flatten to TMA-addressable [rows, 576] rows (flat_rows)."""
+def _reads(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """What every launch of this tile needs: Gluon present, an SM90 device, a cache in q's 16-bit
+    dtype or fp8 e4m3, and a cache and a query that flatten to TMA-addressable [rows, 576] rows."""
     if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return (serves_heads(q.shape[1]) and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
-            and kv_cache.shape[1] % BLOCK_N == 0 and flat_rows(kv_cache) is not None and flat_rows(q) is not None)
+    return (kv_cache.dtype in (q.dtype, torch.float8_e4m3fn) and flat_rows(kv_cache) is not None
+            and flat_rows(q) is not None)
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether this tile can serve a dense launch: _reads, heads it serves (serves_heads), and pages
+    that hold whole kv tiles."""
+    return _reads(q, kv_cache) and serves_heads(q.shape[1]) and kv_cache.shape[1] % BLOCK_N == 0
 
 
 def supports_sparse(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether this tile can serve a sparse pass (sparse_mla_decode): Gluon, SM90, heads in whole
-    64-row tiles or fewer (one padded tile), a cache in q's 16-bit dtype or fp8 e4m3, and a query
-    and a cache that flatten to TMA-addressable rows (the query is loaded by TMA; the cache's rows
-    are gathered)."""
-    if gluon is None or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return ((q.shape[1] % BLOCK_M == 0 or q.shape[1] < BLOCK_M) and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
-            and flat_rows(kv_cache) is not None and flat_rows(q) is not None)
+    """Whether this tile can serve a sparse pass (sparse_mla_decode): _reads, and heads in whole
+    64-row tiles or fewer (one padded tile); pages of any size (their rows are gathered)."""
+    return _reads(q, kv_cache) and (q.shape[1] % BLOCK_M == 0 or q.shape[1] < BLOCK_M)
 
 
 def serves_heads(num_heads: int) -> bool:
