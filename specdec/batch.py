@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from attn.base import AttnBatch, ForwardMode, const_arange
+from specdec.step_kernels import pass_slots
 
 # Prompt tokens a prefill pass takes by default (bounds its activations); a backend whose kernel takes
 # fewer says so (max_prefill_tokens) and gets passes of that size.
@@ -32,23 +33,22 @@ def uniform_batch(
     mode: ForwardMode,
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
-    first_index: torch.Tensor,
+    lens: torch.Tensor,
     q_len: int,
-    seq_lens: torch.Tensor,
+    first: int = 0,
     custom_mask: Optional[torch.Tensor] = None,
     max_kv_len: Optional[int] = None,
 ) -> AttnBatch:
     """A pass with ``q_len`` new tokens per request, stored at kv indices
-    ``first_index .. first_index + q_len - 1`` of each request.
+    ``lens + first .. lens + first + q_len - 1`` of each request, which then holds
+    ``lens + first + q_len`` kv rows (step_kernels.pass_slots: one kernel on a GPU).
 
-    rows: ``[B]`` int64 req_to_token rows; first_index / seq_lens: ``[B]`` int64 (device);
-    max_kv_len: host bound of seq_lens (AttnBatch.max_kv_len).
+    rows / lens: ``[B]`` int64 req_to_token rows and kv lengths (device); max_kv_len: host bound
+    of the pass's kv lengths (AttnBatch.max_kv_len).
     """
-    device = rows.device
-    offsets = const_arange(q_len, device)
-    out_cache_loc = req_to_token[rows[:, None], first_index[:, None] + offsets[None, :]].flatten().long()
-    cu = const_arange((rows.shape[0] + 1) * q_len, device, q_len, torch.int32)
-    return AttnBatch(mode, rows, seq_lens.int(), out_cache_loc, cu, q_len, True, custom_mask, max_kv_len)
+    out_cache_loc, seq_lens = pass_slots(req_to_token, rows, lens, first, q_len)
+    cu = const_arange((rows.shape[0] + 1) * q_len, rows.device, q_len, torch.int32)
+    return AttnBatch(mode, rows, seq_lens, out_cache_loc, cu, q_len, True, custom_mask, max_kv_len)
 
 
 def run_pass(model: torch.nn.Module, backend, batch: AttnBatch, *inputs: Optional[torch.Tensor]) -> torch.Tensor:

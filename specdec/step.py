@@ -23,12 +23,12 @@ import torch
 
 from attn.base import ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
-from specdec.accept import (AcceptResult, chain_accept, greedy_accept, stop_at_limits, target_probs,
-                            tree_rejection_sample)
+from specdec.accept import AcceptResult, greedy_accept, stop_at_limits, target_probs, tree_rejection_sample
 from specdec.batch import run_pass, uniform_batch
 from specdec.config import SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.state import DecodeState, HostCopy
+from specdec.step_kernels import chain_report
 from specdec.tree import VerifyTree, start_tree, topk_probs
 
 KV_BOUND_GAP = 64  # kv rows within which SpecStep.kv_len_buckets keeps one bound
@@ -99,10 +99,9 @@ class SpecStep:
         cfg, off = self.config, self.draft_offset
         topk, bs = cfg.topk, st.root.shape[0]
         tree = start_tree(st.cand_probs, st.cand_ids)
-        draft_len = st.seq_lens + off
         batches = [
-            uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, draft_len + (j - 1) * topk, topk,
-                          draft_len + j * topk, None if topk == 1 else mask[:bs], _bound(kv_bound, off + j * topk))
+            uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, st.seq_lens, topk,
+                          off + (j - 1) * topk, None if topk == 1 else mask[:bs], _bound(kv_bound, off + j * topk))
             for j, mask in zip(range(1, cfg.num_steps), self.draft_backend.tree_masks())
         ]
         if batches:
@@ -120,7 +119,7 @@ class SpecStep:
                     hidden = hidden.gather(1, parent_slot.expand(-1, -1, hidden.shape[2]))
                 ancestors = torch.cat([ancestors, eye], dim=2)
                 batch.custom_mask.copy_(ancestors)
-            positions = (draft_len + j - 1)[:, None].expand(-1, topk).flatten()
+            positions = (st.seq_lens + (off + j - 1))[:, None].expand(-1, topk).flatten()
             out = self.draft_model(tree.frontier_tokens.flatten(), positions, hidden.flatten(0, 1), backend, batch)
             probs, ids = topk_probs(self.draft_model.compute_logits(out), topk, temperature)
             hidden = out.view(bs, topk, -1)
@@ -133,9 +132,9 @@ class SpecStep:
         """verify -> accept -> commit KV -> host copy. Returns the accept result and the target's
         hidden states ``[B, ndt, D]`` (draft-extend's input)."""
         logits, hidden = self.verify(st, tree, rows, kv_bound)
-        result = self.accept(st, tree, logits)
+        result, report = self.accept(st, tree, logits)
         self.commit_kv(st, result, rows)
-        self.send_to_host(st, result)
+        self.host_copy.enqueue(report)
         return result, hidden
 
     def verify(self, st: DecodeState, tree: VerifyTree, rows: torch.Tensor,
@@ -144,23 +143,29 @@ class SpecStep:
         fp32, hidden ``[B, ndt, D]``)."""
         ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
-        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows,
-                              st.seq_lens, ndt, st.seq_lens + ndt, mask, _bound(kv_bound, ndt))
+        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows, st.seq_lens, ndt, 0, mask,
+                              _bound(kv_bound, ndt))
         positions = (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = run_pass(self.target, self.verify_backend, batch, tree.tokens.flatten(), positions)
         logits = self.target.compute_logits(hidden)
         return logits.view(-1, ndt, logits.shape[-1]), hidden.view(-1, ndt, hidden.shape[-1])
 
-    def accept(self, st: DecodeState, tree: VerifyTree, logits: torch.Tensor) -> AcceptResult:
+    def accept(self, st: DecodeState, tree: VerifyTree, logits: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
         """Greedy verification, or tree rejection sampling when sampling is enabled (greedy rows
-        reduce to the same result there)."""
+        reduce to the same result there); with the StepReport the host gets (packed, on the
+        device). A greedy chain takes both from one kernel (step_kernels.chain_report)."""
         steps = self.config.num_steps
+        if not self.config.enable_sampling and self.config.topk == 1:
+            return chain_report(tree, logits.argmax(-1), st.seq_lens, st.limit, st.eos)
         if not self.config.enable_sampling:
-            return (chain_accept if self.config.topk == 1 else greedy_accept)(tree, logits.argmax(-1), steps)
-        ndt = logits.shape[1]
-        per_node = [t.repeat_interleave(ndt) for t in (st.temperature, st.top_p, st.top_k)]
-        probs = target_probs(logits.flatten(0, 1), *per_node).view(logits.shape)
-        return tree_rejection_sample(tree, probs, st.seed, st.counter, steps, max_children=self.config.topk)
+            result = greedy_accept(tree, logits.argmax(-1), steps)
+        else:
+            ndt = logits.shape[1]
+            per_node = [t.repeat_interleave(ndt) for t in (st.temperature, st.top_p, st.top_k)]
+            probs = target_probs(logits.flatten(0, 1), *per_node).view(logits.shape)
+            result = tree_rejection_sample(tree, probs, st.seed, st.counter, steps, max_children=self.config.topk)
+        take, done = stop_at_limits(result, st.seq_lens, st.limit, st.eos)
+        return result, StepReport.pack(result, take, done)
 
     def commit_kv(self, st: DecodeState, result: AcceptResult, rows: torch.Tensor) -> None:
         """Move the accepted path's KV rows (and a sparse target's indexer keys) to kv indices
@@ -176,20 +181,14 @@ class SpecStep:
         dst = r2t[rows[:, None], st.seq_lens[:, None] + steps].flatten().long()
         self.target_pool.copy_slots(src, dst)  # (a sparse target's indexer keys move with their rows)
 
-    def send_to_host(self, st: DecodeState, result: AcceptResult) -> None:
-        """Find each output's stop (eos, max_new_tokens: stop_at_limits) and enqueue the packed
-        StepReport's copy to the host, then its event record."""
-        take, done = stop_at_limits(result, st.seq_lens, st.limit, st.eos)
-        self.host_copy.enqueue(StepReport.pack(result, take, done))
-
     def draft_extend(self, st: DecodeState, result: AcceptResult, verify_hidden: torch.Tensor, rows: torch.Tensor,
                      kv_bound: Optional[int] = None) -> DecodeState:
         """Draft over the accepted tokens + bonus (num_steps + 1 rows per request, the first
         accept_len + 1 real); returns the next state (root, N, draft hidden, first candidates)."""
         q_len = self.config.num_steps + 1
         draft_len = st.seq_lens + self.draft_offset
-        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, draft_len, q_len,
-                              draft_len + q_len, max_kv_len=_bound(kv_bound, self.draft_offset + q_len))
+        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, st.seq_lens, q_len,
+                              self.draft_offset, max_kv_len=_bound(kv_bound, self.draft_offset + q_len))
         ids = result.emitted.clamp(min=0)
         positions = (draft_len[:, None] + const_arange(q_len, self.device)).flatten()
         # A chain's accepted path is nodes 0..accept_len in order, and the rows past it are never

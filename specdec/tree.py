@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from attn.base import const_arange
+from specdec import softmax_topk
 from specdec.sampling import tempered
 
 
@@ -27,8 +28,11 @@ def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor]
     Without a temperature, a row with a non-finite logit (a 16-bit head that overflowed) scores
     its k candidates 0: its softmax is NaN, which sorts above every score, so a tree took NaN
     children of a candidate it had not taken. Only the ``[N, k]`` result is cleaned: ``tempered``
-    makes several more passes over ``[N, V]``.
+    makes several more passes over ``[N, V]``. CUDA logits take one Triton kernel
+    (specdec.softmax_topk) that gives the same.
     """
+    if softmax_topk.applies(logits, k):
+        return softmax_topk.triton_softmax_topk(logits, k, temperature)
     if temperature is None:
         probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return probs.nan_to_num(nan=0.0), ids

@@ -259,9 +259,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def gemv_config(k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight of K columns."""
-    return 64, (256 if k >= 4096 else 128), 4, 5
+def gemv_config(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight ``[n, k]`` on ``sms`` multiprocessors.
+
+    The weight streams at the bandwidth only with every SM reading: the narrowest tile of 16-64 rows
+    whose programs fit one wave, e.g. qkv_a ``[2112, 7168]``: 132 programs of 16 rows, not 33 of 64.
+    """
+    block_n = next((b for b in (16, 32) if -(-n // b) <= sms), 64)
+    fit = 1 << max(4, (k - 1).bit_length())  # no K tile past the weight's next power of two
+    if block_n < 64:
+        return block_n, min(fit, 512 if block_n == 16 else 256), 4, 4
+    return 64, min(fit, 256 if k >= 4096 else 128), 4, (5 if k >= 4096 else 6)
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -273,11 +281,15 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"linear: x is {tuple(x.shape)}, the weight {tuple(weight.shape)}")
     out = x.new_empty(m, n)
     if m:
-        block_n, block_k, warps, stages = config or gemv_config(k)
+        block_n, block_k, warps, stages = config or gemv_config(n, k, _multiprocessors(x.device))
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
         _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
                            num_warps=warps, num_stages=stages)
     return out
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 @_jit

@@ -1,0 +1,129 @@
+"""The spec step's bookkeeping, one Triton kernel each on a GPU, plain torch elsewhere.
+
+Why: each is a handful of index ops over ``[B]`` or ``[B, num_steps + 1]`` values, and as torch ops
+each was its own launch (about 1.5 us each on an H200, ~45 of a step's launches). The torch path is
+the same arithmetic, what CPU runs and what the GPU tests compare to.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from attn.base import const_arange
+from specdec.accept import AcceptResult, chain_accept, stop_at_limits
+from specdec.tree import VerifyTree
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch path serves
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _on_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+# ------------------------------------------------------------------------------ pass slots
+def pass_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, first: int,
+               q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uniform pass's cache slots and kv lengths: request b's q_len new tokens sit at kv indices
+    ``lens[b] + first + [0, q_len)`` of req_to_token row ``rows[b]``.
+
+    req_to_token ``[R, C]`` int32, rows / lens ``[B]`` int64 -> (out_cache_loc ``[B * q_len]``
+    int64, seq_lens ``[B]`` int32 = lens + first + q_len). E.g. lens [7], first 1, q_len 2: kv
+    indices 8 and 9, seq_lens [10]."""
+    if _on_triton(rows) and req_to_token.stride(1) == 1:
+        return triton_pass_slots(req_to_token, rows, lens, first, q_len)
+    index = lens[:, None] + first + const_arange(q_len, rows.device)[None, :]
+    return req_to_token[rows[:, None], index].flatten().long(), (lens + first + q_len).int()
+
+
+def triton_pass_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, first: int,
+                      q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pass_slots' kernel (any device Triton runs on, its interpreter included)."""
+    bs = rows.shape[0]
+    loc = torch.empty(bs * q_len, dtype=torch.long, device=rows.device)
+    seq_lens = torch.empty(bs, dtype=torch.int32, device=rows.device)
+    if bs:
+        _pass_slots_kernel[(bs,)](req_to_token, rows, lens, loc, seq_lens, req_to_token.stride(0), first, q_len,
+                                  Q_PAD=triton.next_power_of_2(q_len), num_warps=1)
+    return loc, seq_lens
+
+
+@_jit
+def _pass_slots_kernel(r2t_ptr, rows_ptr, lens_ptr, loc_ptr, seq_ptr, stride_r2t, FIRST, Q_LEN, Q_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    start = tl.load(lens_ptr + b).to(tl.int64) + FIRST
+    i = tl.arange(0, Q_PAD)
+    keep = i < Q_LEN
+    slots = tl.load(r2t_ptr + row * stride_r2t + start + i, mask=keep, other=0)
+    tl.store(loc_ptr + b * Q_LEN + i, slots.to(tl.int64), mask=keep)
+    tl.store(seq_ptr + b, (start + Q_LEN).to(tl.int32))
+
+
+# ---------------------------------------------------------------- greedy chain accept + report
+def chain_report(tree: VerifyTree, pred: torch.Tensor, seq_lens: torch.Tensor, limit: torch.Tensor,
+                 eos: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+    """chain_accept and the step's host report (stop_at_limits, StepReport.pack) in one pass.
+
+    tree: a chain's (tokens ``[B, S + 1]``, the root first); pred ``[B, S + 1]``: the target's
+    argmax after each node; seq_lens / limit / eos ``[B]``; all int64. Returns (AcceptResult, the
+    report ``[B, S + 4]`` int64: ``[emitted | accept_len | take | done]``); the result's emitted and
+    accept_len are views of the report. E.g. drafts [5, 6, 9], pred [5, 6, 7, 8], no eos, room
+    left: [5, 6, 7, -1 | 2 | 3 | 0], bonus 7."""
+    if _on_triton(pred) and pred.is_contiguous() and tree.tokens.stride(1) == 1:
+        return triton_chain_report(tree.tokens, pred, seq_lens, limit, eos)
+    result = chain_accept(tree, pred, pred.shape[1] - 1)
+    take, done = stop_at_limits(result, seq_lens, limit, eos)
+    return result, torch.cat([result.emitted, result.accept_len[:, None], take[:, None], done[:, None].long()], 1)
+
+
+def triton_chain_report(tokens: torch.Tensor, pred: torch.Tensor, seq_lens: torch.Tensor, limit: torch.Tensor,
+                        eos: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+    """chain_report's kernel, from the chain's tokens ``[B, S + 1]`` (rows of unit stride)."""
+    bs, width = pred.shape
+    report = torch.empty(bs, width + 3, dtype=torch.long, device=pred.device)
+    path = torch.empty(bs, width, dtype=torch.long, device=pred.device)
+    bonus = torch.empty(bs, dtype=torch.long, device=pred.device)
+    if bs:
+        _chain_report_kernel[(bs,)](tokens, pred, seq_lens, limit, eos, report, path, bonus, tokens.stride(0), width,
+                                    W_PAD=triton.next_power_of_2(width), num_warps=1)
+    return AcceptResult(report[:, width], path, report[:, :width], bonus), report
+
+
+@_jit
+def _chain_report_kernel(tokens_ptr, pred_ptr, lens_ptr, limit_ptr, eos_ptr, report_ptr, path_ptr, bonus_ptr,
+                         stride_t, WIDTH, W_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.arange(0, W_PAD)
+    col = i < WIDTH
+    pred = tl.load(pred_ptr + b * WIDTH + i, mask=col, other=-1)
+    # node i (1..S) is accepted while every draft up to it matched the target's argmax before it
+    drafted = tl.load(tokens_ptr + b * stride_t + i, mask=(i >= 1) & col, other=-1)
+    prev = tl.load(pred_ptr + b * WIDTH + i - 1, mask=(i >= 1) & col, other=-1)
+    miss = (i >= 1) & col & (drafted != prev)
+    accept_len = tl.min(tl.where(miss, i - 1, WIDTH - 1), axis=0).to(tl.int64)
+    emitted = tl.where(i <= accept_len, pred, -1)
+    tl.store(bonus_ptr + b, tl.sum(tl.where(i == accept_len, pred, 0), axis=0))
+    seq_len = tl.load(lens_ptr + b)
+    limit = tl.load(limit_ptr + b)
+    take = tl.minimum(accept_len + 1, limit - seq_len)
+    hit = (emitted == tl.load(eos_ptr + b)) & (i < take) & col
+    first_eos = tl.min(tl.where(hit, i, WIDTH), axis=0).to(tl.int64)
+    take = tl.minimum(take, first_eos + 1)
+    done = ((first_eos < WIDTH) | (seq_len + take >= limit)).to(tl.int64)
+    out = report_ptr + b * (WIDTH + 3)
+    tl.store(out + i, emitted, mask=col)
+    tl.store(out + WIDTH, accept_len)
+    tl.store(out + WIDTH + 1, take)
+    tl.store(out + WIDTH + 2, done)
+    tl.store(path_ptr + b * WIDTH + i, tl.minimum(i.to(tl.int64), accept_len), mask=col)

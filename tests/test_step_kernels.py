@@ -1,0 +1,75 @@
+"""specdec.step_kernels: each kernel against the torch path it replaces (pass_slots: the index
+ops of a uniform pass; chain_report: chain_accept, stop_at_limits and StepReport.pack), under
+Triton's interpreter on the CPU and on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interpreted import run_interpreted
+
+_CHECKS = """
+import torch
+from specdec import step_kernels
+from specdec.tree import VerifyTree
+
+
+def check_all(device):
+    gen = torch.Generator().manual_seed(0)
+    r2t = torch.randint(0, 10_000, (6, 300), generator=gen, dtype=torch.int32).to(device)
+    rows = torch.tensor([4, 0, 5], device=device)
+    lens = torch.tensor([0, 17, 290], device=device)
+    for first, q_len in ((0, 1), (1, 4), (0, 8), (3, 5)):
+        loc, seq = step_kernels.triton_pass_slots(r2t, rows, lens, first, q_len)
+        ref_loc, ref_seq = step_kernels.pass_slots(r2t.cpu(), rows.cpu(), lens.cpu(), first, q_len)
+        assert torch.equal(loc.cpu(), ref_loc) and loc.dtype == torch.int64, (first, q_len)
+        assert torch.equal(seq.cpu(), ref_seq) and seq.dtype == torch.int32
+    for steps in (1, 3, 6):
+        bs = 64
+        pred = torch.randint(0, 4, (bs, steps + 1), generator=gen)
+        other = torch.randint(0, 4, (bs, steps), generator=gen)
+        drafts = torch.where(torch.rand(bs, steps, generator=gen) < 0.7, pred[:, :-1], other)
+        tokens = torch.cat([torch.randint(0, 4, (bs, 1), generator=gen), drafts], 1)
+        seq_lens = torch.randint(10, 20, (bs,), generator=gen)
+        limit = seq_lens + torch.randint(1, steps + 3, (bs,), generator=gen)
+        eos = torch.where(torch.rand(bs, generator=gen) < 0.5, torch.randint(0, 4, (bs,), generator=gen), -1)
+        z = torch.zeros(bs, steps + 1, dtype=torch.long)
+        tree = VerifyTree(tokens, z, z, z, torch.zeros(bs, steps + 1, steps + 1, dtype=torch.bool))
+        ref, ref_report = step_kernels.chain_report(tree, pred, seq_lens, limit, eos)
+        got, report = step_kernels.triton_chain_report(*(t.to(device) for t in (tokens, pred, seq_lens, limit, eos)))
+        assert torch.equal(report.cpu(), ref_report), steps
+        for name in ("accept_len", "path", "emitted", "bonus"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
+        assert set(ref.accept_len.tolist()) == set(range(steps + 1)) or steps == 6  # every length seen
+        assert report[:, -1].bool().any() and not report[:, -1].bool().all()  # some stop, some go on
+"""
+
+
+def test_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(_CHECKS + "\ncheck_all('cpu')\nprint('ok')\n")
+
+
+@pytest.mark.gpu
+def test_kernels_on_gpu():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    scope: dict = {}
+    exec(_CHECKS, scope)
+    scope["check_all"]("cuda")
+
+
+def test_worked_examples():
+    from specdec import step_kernels
+    from specdec.tree import VerifyTree
+
+    r2t = torch.arange(40, dtype=torch.int32).view(2, 20)
+    loc, seq = step_kernels.pass_slots(r2t, torch.tensor([1]), torch.tensor([7]), 1, 2)
+    assert loc.tolist() == [28, 29] and seq.tolist() == [10]
+    z = torch.zeros(1, 4, dtype=torch.long)
+    tree = VerifyTree(torch.tensor([[4, 5, 6, 9]]), z, z, z, torch.zeros(1, 4, 4, dtype=torch.bool))
+    result, report = step_kernels.chain_report(tree, torch.tensor([[5, 6, 7, 8]]), torch.tensor([10]),
+                                               torch.tensor([100]), torch.tensor([-1]))
+    assert report.tolist() == [[5, 6, 7, -1, 2, 3, 0]] and result.bonus.tolist() == [7]
