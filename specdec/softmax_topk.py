@@ -7,24 +7,14 @@ Same results as the torch path: probabilities to fp32 rounding, ties to the lowe
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch path serves
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
+from specdec.triton_lang import jit as _jit, tl, triton
 
 MAX_K = 16  # candidates the kernel keeps a row (its selection is unrolled); more go to torch
 CHUNK = 4096  # logits a program reads at once
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 def applies(logits: torch.Tensor, k: int) -> bool:

@@ -7,24 +7,12 @@ the same arithmetic, what CPU runs and what the GPU tests compare to.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from attn.base import const_arange
 from specdec.accept import AcceptResult, chain_accept, stop_at_limits
 from specdec.tree import VerifyTree
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch path serves
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+from specdec.triton_lang import jit as _jit, tl, triton
 
 
 def _on_triton(t: torch.Tensor) -> bool:

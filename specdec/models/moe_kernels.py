@@ -25,22 +25,11 @@ The module imports without Triton (CPU-only installs): the layout and the tile c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from specdec.models.config import DeepseekV3Config
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch path in moe.py serves
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+from specdec.triton_lang import jit as _jit, tl, triton  # without Triton the torch path in moe.py serves
 
 
 def _pow2(n: int) -> int:

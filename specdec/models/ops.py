@@ -8,22 +8,12 @@ backward); the torch path is the same arithmetic, and what CPU runs and the GPU 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch path serves
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+from specdec.triton_lang import jit as _jit, tl, triton
 
 
 def on_triton(*tensors: torch.Tensor) -> bool:
