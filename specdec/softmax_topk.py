@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from specdec.triton_lang import jit as _jit, tl, triton
+from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
 MAX_K = 16  # candidates the kernel keeps a row (its selection is unrolled); more go to torch
 CHUNK = 4096  # logits a program reads at once
@@ -19,7 +19,7 @@ CHUNK = 4096  # logits a program reads at once
 
 def applies(logits: torch.Tensor, k: int) -> bool:
     """The kernel serves CUDA logits ``[N, V]`` (rows of unit stride, ids below 2**31) for k <= MAX_K."""
-    return (triton is not None and logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
+    return (on_triton(logits) and logits.dim() == 2 and logits.stride(1) == 1
             and 1 <= k <= min(MAX_K, logits.shape[1]) and logits.shape[1] < 2**31)
 
 

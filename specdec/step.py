@@ -23,12 +23,13 @@ import torch
 
 from attn.base import ForwardMode, const_arange
 from attn.multistep import MultiStepDraftBackend
-from specdec.accept import AcceptResult, greedy_accept, stop_at_limits, target_probs, tree_rejection_sample
+from specdec.accept import (AcceptResult, chain_accept, greedy_accept, stop_at_limits, target_probs,
+                            tree_rejection_sample)
 from specdec.batch import run_pass, uniform_batch
 from specdec.config import SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.state import DecodeState, HostCopy
-from specdec.step_kernels import chain_report
+from specdec.step_kernels import chain_report, serves_chain_report
 from specdec.tree import VerifyTree, start_tree, topk_probs
 
 KV_BOUND_GAP = 64  # kv rows within which SpecStep.kv_len_buckets keeps one bound
@@ -153,12 +154,13 @@ class SpecStep:
     def accept(self, st: DecodeState, tree: VerifyTree, logits: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
         """Greedy verification, or tree rejection sampling when sampling is enabled (greedy rows
         reduce to the same result there); with the StepReport the host gets (packed, on the
-        device). A greedy chain takes both from one kernel (step_kernels.chain_report)."""
+        device). A greedy chain on a GPU takes both from one kernel (step_kernels.chain_report)."""
         steps = self.config.num_steps
-        if not self.config.enable_sampling and self.config.topk == 1:
-            return chain_report(tree, logits.argmax(-1), st.seq_lens, st.limit, st.eos)
         if not self.config.enable_sampling:
-            result = greedy_accept(tree, logits.argmax(-1), steps)
+            pred = logits.argmax(-1)
+            if self.config.topk == 1 and serves_chain_report(tree.tokens, pred):
+                return chain_report(tree.tokens, pred, st.seq_lens, st.limit, st.eos)
+            result = (chain_accept if self.config.topk == 1 else greedy_accept)(tree, pred, steps)
         else:
             ndt = logits.shape[1]
             per_node = [t.repeat_interleave(ndt) for t in (st.temperature, st.top_p, st.top_k)]

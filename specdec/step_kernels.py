@@ -10,13 +10,8 @@ from __future__ import annotations
 import torch
 
 from attn.base import const_arange
-from specdec.accept import AcceptResult, chain_accept, stop_at_limits
-from specdec.tree import VerifyTree
-from specdec.triton_lang import jit as _jit, tl, triton
-
-
-def _on_triton(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
+from specdec.accept import AcceptResult
+from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
 
 # ------------------------------------------------------------------------------ pass slots
@@ -28,7 +23,7 @@ def pass_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tenso
     req_to_token ``[R, C]`` int32, rows / lens ``[B]`` int64 -> (out_cache_loc ``[B * q_len]``
     int64, seq_lens ``[B]`` int32 = lens + first + q_len). E.g. lens [7], first 1, q_len 2: kv
     indices 8 and 9, seq_lens [10]."""
-    if _on_triton(rows) and req_to_token.stride(1) == 1:
+    if on_triton(rows) and req_to_token.stride(1) == 1:
         return triton_pass_slots(req_to_token, rows, lens, first, q_len)
     index = lens[:, None] + first + const_arange(q_len, rows.device)[None, :]
     return req_to_token[rows[:, None], index].flatten().long(), (lens + first + q_len).int()
@@ -59,25 +54,20 @@ def _pass_slots_kernel(r2t_ptr, rows_ptr, lens_ptr, loc_ptr, seq_ptr, stride_r2t
 
 
 # ---------------------------------------------------------------- greedy chain accept + report
-def chain_report(tree: VerifyTree, pred: torch.Tensor, seq_lens: torch.Tensor, limit: torch.Tensor,
-                 eos: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
-    """chain_accept and the step's host report (stop_at_limits, StepReport.pack) in one pass.
+def serves_chain_report(tokens: torch.Tensor, pred: torch.Tensor) -> bool:
+    """chain_report runs here: CUDA tensors, pred contiguous, the tokens' rows of unit stride."""
+    return on_triton(pred) and pred.is_contiguous() and tokens.stride(1) == 1
 
-    tree: a chain's (tokens ``[B, S + 1]``, the root first); pred ``[B, S + 1]``: the target's
-    argmax after each node; seq_lens / limit / eos ``[B]``; all int64. Returns (AcceptResult, the
-    report ``[B, S + 4]`` int64: ``[emitted | accept_len | take | done]``); the result's emitted and
+
+def chain_report(tokens: torch.Tensor, pred: torch.Tensor, seq_lens: torch.Tensor, limit: torch.Tensor,
+                 eos: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+    """specdec.accept.chain_accept, stop_at_limits and StepReport.pack in one kernel.
+
+    tokens ``[B, S + 1]`` (a chain's, the root first); pred ``[B, S + 1]``: the target's argmax
+    after each node; seq_lens / limit / eos ``[B]``; all int64. Returns (AcceptResult, the report
+    ``[B, S + 4]`` int64: ``[emitted | accept_len | take | done]``); the result's emitted and
     accept_len are views of the report. E.g. drafts [5, 6, 9], pred [5, 6, 7, 8], no eos, room
     left: [5, 6, 7, -1 | 2 | 3 | 0], bonus 7."""
-    if _on_triton(pred) and pred.is_contiguous() and tree.tokens.stride(1) == 1:
-        return triton_chain_report(tree.tokens, pred, seq_lens, limit, eos)
-    result = chain_accept(tree, pred, pred.shape[1] - 1)
-    take, done = stop_at_limits(result, seq_lens, limit, eos)
-    return result, torch.cat([result.emitted, result.accept_len[:, None], take[:, None], done[:, None].long()], 1)
-
-
-def triton_chain_report(tokens: torch.Tensor, pred: torch.Tensor, seq_lens: torch.Tensor, limit: torch.Tensor,
-                        eos: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
-    """chain_report's kernel, from the chain's tokens ``[B, S + 1]`` (rows of unit stride)."""
     bs, width = pred.shape
     report = torch.empty(bs, width + 3, dtype=torch.long, device=pred.device)
     path = torch.empty(bs, width, dtype=torch.long, device=pred.device)

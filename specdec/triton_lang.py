@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -16,3 +18,9 @@ except ImportError:  # CPU-only install: the torch paths serve
 def jit(fn):
     """triton.jit, or the function as it is without Triton (never launched then)."""
     return triton.jit(fn) if triton is not None else fn
+
+
+def on_triton(*tensors: torch.Tensor) -> bool:
+    """The Triton path: CUDA tensors, Triton present, no gradient to track."""
+    return (triton is not None and tensors[0].is_cuda
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))

@@ -12,7 +12,17 @@ from interpreted import run_interpreted
 _CHECKS = """
 import torch
 from specdec import step_kernels
+from specdec.accept import chain_accept, stop_at_limits
+from specdec.step import StepReport
 from specdec.tree import VerifyTree
+
+
+def reference_report(tokens, pred, seq_lens, limit, eos):
+    z = torch.zeros_like(tokens)
+    tree = VerifyTree(tokens, z, z, z, torch.zeros(*tokens.shape, tokens.shape[1], dtype=torch.bool))
+    result = chain_accept(tree, pred, pred.shape[1] - 1)
+    take, done = stop_at_limits(result, seq_lens, limit, eos)
+    return result, StepReport.pack(result, take, done)
 
 
 def check_all(device):
@@ -34,15 +44,16 @@ def check_all(device):
         seq_lens = torch.randint(10, 20, (bs,), generator=gen)
         limit = seq_lens + torch.randint(1, steps + 3, (bs,), generator=gen)
         eos = torch.where(torch.rand(bs, generator=gen) < 0.5, torch.randint(0, 4, (bs,), generator=gen), -1)
-        z = torch.zeros(bs, steps + 1, dtype=torch.long)
-        tree = VerifyTree(tokens, z, z, z, torch.zeros(bs, steps + 1, steps + 1, dtype=torch.bool))
-        ref, ref_report = step_kernels.chain_report(tree, pred, seq_lens, limit, eos)
-        got, report = step_kernels.triton_chain_report(*(t.to(device) for t in (tokens, pred, seq_lens, limit, eos)))
+        ref, ref_report = reference_report(tokens, pred, seq_lens, limit, eos)
+        got, report = step_kernels.chain_report(*(t.to(device) for t in (tokens, pred, seq_lens, limit, eos)))
         assert torch.equal(report.cpu(), ref_report), steps
         for name in ("accept_len", "path", "emitted", "bonus"):
             assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
         assert set(ref.accept_len.tolist()) == set(range(steps + 1)) or steps == 6  # every length seen
         assert report[:, -1].bool().any() and not report[:, -1].bool().all()  # some stop, some go on
+    got, report = step_kernels.chain_report(*(torch.tensor(v, device=device) for v in (
+        [[4, 5, 6, 9]], [[5, 6, 7, 8]], [10], [100], [-1])))  # chain_report's docstring example
+    assert report.tolist() == [[5, 6, 7, -1, 2, 3, 0]] and got.bonus.tolist() == [7]
 """
 
 
@@ -61,15 +72,10 @@ def test_kernels_on_gpu():
     scope["check_all"]("cuda")
 
 
-def test_worked_examples():
+def test_worked_example():
+    """pass_slots' docstring example, on its torch path."""
     from specdec import step_kernels
-    from specdec.tree import VerifyTree
 
     r2t = torch.arange(40, dtype=torch.int32).view(2, 20)
     loc, seq = step_kernels.pass_slots(r2t, torch.tensor([1]), torch.tensor([7]), 1, 2)
     assert loc.tolist() == [28, 29] and seq.tolist() == [10]
-    z = torch.zeros(1, 4, dtype=torch.long)
-    tree = VerifyTree(torch.tensor([[4, 5, 6, 9]]), z, z, z, torch.zeros(1, 4, 4, dtype=torch.bool))
-    result, report = step_kernels.chain_report(tree, torch.tensor([[5, 6, 7, 8]]), torch.tensor([10]),
-                                               torch.tensor([100]), torch.tensor([-1]))
-    assert report.tolist() == [[5, 6, 7, -1, 2, 3, 0]] and result.bonus.tolist() == [7]

@@ -13,13 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from specdec.triton_lang import jit as _jit, tl, triton
-
-
-def on_triton(*tensors: torch.Tensor) -> bool:
-    """The Triton path: CUDA tensors, Triton present, no gradient to track."""
-    return (triton is not None and tensors[0].is_cuda
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
 
 def _pow2(n: int) -> int:
