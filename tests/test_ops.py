@@ -1,5 +1,6 @@
 """specdec.models.ops: each Triton kernel against the torch path it replaces (the arithmetic
-transformers' DeepSeek-V3 does), under Triton's interpreter on the CPU and on a GPU."""
+transformers' DeepSeek-V3 does; W_UK and W_UV against fp32 products), under Triton's interpreter
+on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -52,18 +53,22 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                                     ops.apply_rope(qkv[:, -64:].float(), cos, sin, interleave).to(dtype)], dim=-1)
                 torch.testing.assert_close(got_q, ref_q, **tol(dtype))
                 torch.testing.assert_close(got_kv, ref_kv, **tol(dtype))
-            q = rand(tokens, heads, 192).to(dtype)
-            q_latent = rand(heads, tokens, 512).to(dtype)
-            got = ops.triton_mla_query(q_latent, q, 128, cos, sin, interleave)
-            ref = torch.cat([q_latent.transpose(0, 1), ops.apply_rope(q[..., 128:].float(), cos, sin, interleave).to(dtype)], -1)
-            torch.testing.assert_close(got, ref, **tol(dtype))
-
-        if dtype != torch.float32:  # the GEMV takes 16-bit operands (fp32 stays with cuBLAS)
-            for m, n, k in ((1, 40, 300), (4, 33, 512), (16, 64, 96), (19, 17, 200)):  # ragged N, K; M past a block
-                w = (rand(n, k) / k ** 0.5).to(dtype)
-                xm = rand(m, k).to(dtype)
-                ref = (xm.float() @ w.float().T).to(dtype)
-                torch.testing.assert_close(ops.triton_linear(xm, w), ref, **tol(dtype))
+        if dtype != torch.float32:  # 16-bit only (fp32 takes the torch path)
+            for t in (tokens, 19):  # past one block of 16 tokens
+                q = rand(t, heads, 192).to(dtype)
+                w_uk = (rand(heads, 256, 512) / 128 ** 0.5).to(dtype)[:, :128]  # kv_b_proj's W_UK rows
+                rows = torch.arange(t, device=device) % tokens
+                for interleave in (True, False):
+                    latent = (q[..., :128].float().transpose(0, 1) @ w_uk.float()).transpose(0, 1)
+                    rope = ops.apply_rope(q[..., 128:].float(), cos[rows], sin[rows], interleave)
+                    ref = torch.cat([latent, rope], -1).to(dtype)
+                    for query in (ops.triton_mla_query, ops.mla_query):  # the kernel, and what the device takes
+                        torch.testing.assert_close(query(q, w_uk, cos[rows], sin[rows], interleave), ref, **tol(dtype))
+                out = rand(t, heads, 512).to(dtype)
+                w_uv = (rand(heads, 256, 512) / 512 ** 0.5).to(dtype)[:, 128:]  # kv_b_proj's W_UV rows
+                ref = (out.float().transpose(0, 1) @ w_uv.float().transpose(1, 2)).transpose(0, 1).flatten(1).to(dtype)
+                for value in (ops.triton_mla_value, ops.mla_value):
+                    torch.testing.assert_close(value(out, w_uv), ref, **tol(dtype))
 """
 
 

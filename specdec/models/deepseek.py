@@ -25,7 +25,7 @@ from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.models.moe import MoE
 from specdec.models.packing import CheckpointViews, row_views
-from specdec.models import ops
+from specdec.models import gemv, ops
 from specdec.parallel import SINGLE, Parallel
 
 
@@ -176,7 +176,8 @@ class MLAttention(CheckpointViews, nn.Module):
     ``qkv_a`` ``[q_lora + 576, D]`` packs q_a_proj (or, without a q LoRA, q_proj) with
     kv_a_proj_with_mqa: one GEMM, then one kernel (ops.mla_latents) for both latent norms and the
     rope of the cache row. W_UK / W_UV are views of kv_b_proj's weight ``[H, nope + v, 512]``,
-    multiplied per head as strided batched GEMMs (no per-call copy of the weight). Under tensor
+    multiplied per head where the query is assembled (ops.mla_query) and by ops.mla_value, which
+    writes o_proj's input (no per-call copy of the weight). Under tensor
     parallelism a rank holds num_attention_heads / tp heads (q_b_proj, kv_b_proj, o_proj sliced by
     head); the one shared latent KV head (qkv_a, the latent norms) is every rank's.
     """
@@ -212,16 +213,14 @@ class MLAttention(CheckpointViews, nn.Module):
         cfg = self.cfg
         h, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
-        q_a, kv_new = ops.mla_latents(ops.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
+        q_a, kv_new = ops.mla_latents(gemv.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
                                       LATENT_NORM_EPS, *rope, cfg.rope_interleave)
-        q = q_a if cfg.q_lora_rank is None else ops.linear(q_a, self.q_b_proj.weight)
+        q = q_a if cfg.q_lora_rank is None else gemv.linear(q_a, self.q_b_proj.weight)
         q = q.view(-1, h, cfg.qk_head_dim)  # [T, H, nope + 64]
         w_uk, w_uv = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
-        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, T, 512]
-        query = ops.mla_query(q_latent, q, nope, *rope, cfg.rope_interleave)  # [T, H, 576]
+        query = ops.mla_query(q, w_uk, *rope, cfg.rope_interleave)  # [T, H, 576]
         out = self.attend(query, kv_new, backend, batch, x, q_a, rope)  # [T, H, 512]
-        out = torch.bmm(out.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        return ops.linear(out.transpose(0, 1).flatten(1), self.o_proj.weight)
+        return gemv.linear(ops.mla_value(out.to(x.dtype), w_uv), self.o_proj.weight)  # [T, H * v] @ o_proj
 
     def attend(self, query: torch.Tensor, kv_new: torch.Tensor, backend, batch: AttnBatch, x: torch.Tensor,
                q_a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -324,4 +323,4 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32 (every rank's vocabulary slice, gathered)."""
-        return self.parallel.all_gather(ops.linear(hidden, self.lm_head.weight)).float()
+        return self.parallel.all_gather(gemv.linear(hidden, self.lm_head.weight, torch.float32))

@@ -20,7 +20,7 @@ from torch import nn
 
 from attn.base import AttnBatch, LayerSpec
 from attn.registry import sparse_backend_names
-from specdec.models import ops
+from specdec.models import gemv, ops
 from specdec.models.config import DeepseekV32Config, DeepseekV3Config
 from specdec.models.deepseek import DeepseekV3ForCausalLM, MLAttention, _factory
 from specdec.models.mtp import DeepseekMTP
@@ -55,8 +55,8 @@ class Indexer(nn.Module):
         """x ``[T, D]``, q_a ``[T, q_lora_rank]`` (the normed q latent), rope (cos, sin) ``[T, 32]`` ->
         (queries ``[T, Hi, Di]``, weights ``[T, Hi]`` fp32, keys ``[T, Di]``). The weights carry
         1/sqrt(Hi) and the score's softmax scale 1/sqrt(Di): relu(s * a) = s * relu(a) for s > 0."""
-        q = ops.linear(q_a, self.wq_b.weight).view(-1, self.n_heads, self.head_dim)
-        k = self.k_norm(ops.linear(x, self.wk.weight))
+        q = gemv.linear(q_a, self.wq_b.weight).view(-1, self.n_heads, self.head_dim)
+        k = self.k_norm(gemv.linear(x, self.wk.weight))
         q, k = (torch.cat([ops.apply_rope(t[..., :self.rope_dim], *rope, False), t[..., self.rope_dim:]], dim=-1)
                 for t in (q, k))
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads * self.head_dim) ** -0.5

@@ -7,13 +7,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from specdec.models import ops
+from specdec.models import gemv
 from specdec.models.packing import CheckpointViews, row_views
 
 
 class MLP(CheckpointViews, nn.Module):
     """down(silu(gate(x)) * up(x)); ``gate_up`` ``[2I, D]`` stacks the checkpoint's gate_proj and
-    up_proj weights: one GEMM, then one silu-and-multiply kernel."""
+    up_proj weights: one GEMM, then down's, which computes silu(gate) * up as it loads its input
+    (gemv.silu_linear)."""
 
     _packed = ("gate_up",)
 
@@ -30,4 +31,4 @@ class MLP(CheckpointViews, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down_proj.weight)
+        return gemv.silu_linear(gemv.linear(x, self.gate_up), self.down_proj.weight)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from attn.base import AttnBatch, LayerSpec
-from specdec.models import ops
+from specdec.models import gemv
 from specdec.models.config import DeepseekV3Config
 from specdec.models.deepseek import (
     DecoderLayer, DeepseekV3ForCausalLM, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding, check_inputs,
@@ -95,10 +95,10 @@ class DeepseekMTP(nn.Module):
         check_inputs(input_ids, positions, self.config.vocab_size)
         if hidden_in.shape != (input_ids.shape[0], self.config.hidden_size):
             raise ValueError(f"hidden_in must be [T={input_ids.shape[0]}, {self.config.hidden_size}]; got {tuple(hidden_in.shape)}")
-        x = ops.linear(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden_in)], dim=-1), self.eh_proj.weight)
+        x = gemv.linear(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden_in)], dim=-1), self.eh_proj.weight)
         x, residual = self.layer(x, None, self.rotary(positions), backend, batch)
         return self.shared_head.norm.residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""
-        return self.parallel.all_gather(ops.linear(hidden, self.shared_head.head.weight)).float()
+        return self.parallel.all_gather(gemv.linear(hidden, self.shared_head.head.weight, torch.float32))

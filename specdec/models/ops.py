@@ -1,4 +1,6 @@
-"""The decode forward's fused elementwise steps: one Triton kernel each on a GPU, plain torch elsewhere.
+"""The decode forward's fused steps between its GEMVs (specdec/models/gemv.py): the norms, the MLA
+latents and query (with W_UK's product) and W_UV's product; one Triton kernel each on a GPU, plain
+torch elsewhere.
 
 Why our own kernels: at decode sizes each torch op is its own launch (a layer was ~60 small ones);
 each of these is one launch reading its inputs once. FlashInfer is not in every install.
@@ -188,106 +190,100 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, cos_ptr, sin_pt
     tl.store(out + LATENT + HALF + idx, r2.to(kv_ptr.dtype.element_ty))
 
 
-def mla_query(q_latent: torch.Tensor, q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor,
+def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               interleave: bool) -> torch.Tensor:
-    """The absorbed query ``[T, H, 576]``: each head's W_UK-absorbed latent ``q_latent [H, T, 512]``
-    and its rotated rope dims, the last 64 of each head's ``nope + 64`` in ``q [T, H, nope + 64]``."""
-    if on_triton(q_latent, q) and q.stride(2) == 1 and q_latent.stride(2) == 1 and q_latent.shape[2] == 512:
-        return triton_mla_query(q_latent, q, nope, cos, sin, interleave)
-    rope = apply_rope(q[..., nope:], cos, sin, interleave)
-    return torch.cat([q_latent.transpose(0, 1).to(q.dtype), rope], dim=-1)
+    """The absorbed query ``[T, H, 576]``: each head's nope dims times its W_UK, then its rotated
+    rope dims; q ``[T, H, nope + 64]``, w_uk ``[H, nope, 512]`` (rows of kv_b_proj's weight).
+
+    One kernel on a GPU (16-bit): a program per (head, 64 latent columns, 16 tokens) streams its
+    slice of W_UK once for all the tokens, which torch does as a batched GEMM, a copy and the rope.
+    """
+    nope, latent = w_uk.shape[1:]
+    if (on_triton(q, w_uk) and q.dtype in (torch.bfloat16, torch.float16) and q.stride(2) == 1
+            and w_uk.stride(2) == 1 and nope >= 16 and nope & (nope - 1) == 0 and latent % 64 == 0):
+        return triton_mla_query(q, w_uk, cos, sin, interleave)
+    q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, T, 512]
+    return torch.cat([q_latent.transpose(0, 1), apply_rope(q[..., nope:], cos, sin, interleave)], dim=-1)
 
 
-def triton_mla_query(q_latent: torch.Tensor, q: torch.Tensor, nope: int, cos: torch.Tensor, sin: torch.Tensor,
+def triton_mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      interleave: bool) -> torch.Tensor:
     """mla_query's kernel: last dims of unit stride, cos/sin ``[T, 32]`` fp32 contiguous."""
-    heads, t, _ = q_latent.shape
-    query = q.new_empty(t, heads, 576)
+    t, heads, _ = q.shape
+    nope, latent = w_uk.shape[1:]
+    query = q.new_empty(t, heads, latent + 64)
     if t:
-        _mla_query_kernel[(t, heads)](q_latent, q, query, cos, sin, q_latent.stride(0), q_latent.stride(1),
-                                      q.stride(0), q.stride(1), nope, LATENT=512, HALF=32, INTERLEAVE=interleave,
-                                      num_warps=2)
+        block_m = 16 if t <= 16 else 64
+        grid = (heads, triton.cdiv(latent, 64), triton.cdiv(t, block_m))
+        _mla_query_kernel[grid](q, w_uk, query, cos, sin, t, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
+                                NOPE=nope, LATENT=latent, HALF=32, INTERLEAVE=interleave, BLOCK_M=block_m,
+                                BLOCK_N=64, num_warps=4)
     return query
 
 
-@_jit
-def _mla_query_kernel(lat_ptr, q_ptr, out_ptr, cos_ptr, sin_ptr, stride_lh, stride_lt, stride_qt, stride_qh, NOPE,
-                      LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
-    t, h = tl.program_id(0), tl.program_id(1)
-    heads = tl.num_programs(1)
-    out = out_ptr + (t * heads + h) * (LATENT + 2 * HALF)
-    lat = tl.arange(0, LATENT)
-    tl.store(out + lat, tl.load(lat_ptr + h * stride_lh + t * stride_lt + lat).to(out_ptr.dtype.element_ty))
-    idx = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + t * HALF + idx)
-    sin = tl.load(sin_ptr + t * HALF + idx)
-    r1, r2 = _rope_pairs(q_ptr + t * stride_qt + h * stride_qh + NOPE, cos, sin, HALF, INTERLEAVE)
-    tl.store(out + LATENT + idx, r1.to(out_ptr.dtype.element_ty))
-    tl.store(out + LATENT + HALF + idx, r2.to(out_ptr.dtype.element_ty))
+def mla_value(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Each head's attention output ``out [T, H, 512]`` times its W_UV ``w_uv [H, v, 512]`` (rows of
+    kv_b_proj's weight) -> ``[T, H * v]``, the o_proj input: one kernel on a GPU (16-bit) writing
+    that layout, where torch does a batched GEMM and a copy."""
+    if (on_triton(out, w_uv) and out.dtype in (torch.bfloat16, torch.float16) and out.stride(2) == 1
+            and w_uv.stride(2) == 1 and out.shape[2] % 128 == 0):
+        return triton_mla_value(out, w_uv)
+    return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
 
 
-# ------------------------------------------------------------------------------ GEMV
-GEMV_MAX_ROWS = 16  # decode GEMMs of at most this many rows stream the weight once in a Triton GEMV
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x ``[M, K]`` @ weight ``[N, K]``^T -> ``[M, N]``.
-
-    A decode GEMM of a few rows is a weight read: 16-bit GEMMs of up to GEMV_MAX_ROWS rows run our
-    GEMV (one launch, no split-K reduce; at or above cuBLAS's bandwidth there); others, and fp32,
-    which tensor cores would round to tf32, go to cuBLAS.
-    """
-    if (on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
-        return triton_linear(x, weight)
-    return F.linear(x, weight)
-
-
-def gemv_config(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight ``[n, k]`` on ``sms`` multiprocessors.
-
-    The weight streams at the bandwidth only with every SM reading: the narrowest tile of 16-64 rows
-    whose programs fit one wave, e.g. qkv_a ``[2112, 7168]``: 132 programs of 16 rows, not 33 of 64.
-    """
-    block_n = next((b for b in (16, 32) if -(-n // b) <= sms), 64)
-    fit = 1 << max(4, (k - 1).bit_length())  # no K tile past the weight's next power of two
-    if block_n < 64:
-        return block_n, min(fit, 512 if block_n == 16 else 256), 4, 4
-    return 64, min(fit, 256 if k >= 4096 else 128), 4, (5 if k >= 4096 else 6)
-
-
-def triton_linear(x: torch.Tensor, weight: torch.Tensor,
-                  config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-    """linear's GEMV: rows of unit stride, a contiguous weight; ``config`` as gemv_config gives it."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if x.shape[1] != k:
-        raise ValueError(f"linear: x is {tuple(x.shape)}, the weight {tuple(weight.shape)}")
-    out = x.new_empty(m, n)
-    if m:
-        block_n, block_k, warps, stages = config or gemv_config(n, k, _multiprocessors(x.device))
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
-        _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-                           num_warps=warps, num_stages=stages)
-    return out
-
-
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+def triton_mla_value(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """mla_value's kernel: last dims of unit stride."""
+    t, heads, latent = out.shape
+    v = w_uv.shape[1]
+    value = out.new_empty(t, heads * v)
+    if t:
+        block_m = 16 if t <= 16 else 64
+        block_n = 16 if t <= 16 else 64  # few tokens: more programs streaming W_UV
+        grid = (heads, triton.cdiv(v, block_n), triton.cdiv(t, block_m))
+        _mla_value_kernel[grid](out, w_uv, value, t, v, out.stride(0), out.stride(1), w_uv.stride(0), w_uv.stride(1),
+                                LATENT=latent, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+    return value
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """One program: BLOCK_N output columns of BLOCK_M rows, over all of K (no split: no second
-    pass); the weight tile streams through once, the few x rows come from L2."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _mla_query_kernel(q_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, T, stride_qt, stride_qh, stride_wh, stride_wd,
+                      NOPE: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows past T load row T - 1 again (no masks on the loads) and store nothing."""
+    h, n_blk = tl.program_id(0), tl.program_id(1)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(rm, T - 1)
+    heads = tl.num_programs(0)
+    q_rows = q_ptr + rows[:, None] * stride_qt + h * stride_qh
+    rn = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, NOPE)
+    w = tl.load(w_ptr + h * stride_wh + rd[:, None] * stride_wd + rn[None, :])  # [NOPE, BLOCK_N]
+    acc = tl.dot(tl.load(q_rows + rd[None, :]), w)
+    out_rows = out_ptr + (rm[:, None] * heads + h) * (LATENT + 2 * HALF)
+    stored = (rm < T)[:, None]
+    tl.store(out_rows + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=stored)
+    if n_blk == 0:
+        idx = tl.arange(0, HALF)
+        cos = tl.load(cos_ptr + rows[:, None] * HALF + idx[None, :])
+        sin = tl.load(sin_ptr + rows[:, None] * HALF + idx[None, :])
+        r1, r2 = _rope_pairs(q_rows + NOPE, cos, sin, HALF, INTERLEAVE)
+        tl.store(out_rows + LATENT + idx[None, :], r1.to(out_ptr.dtype.element_ty), mask=stored)
+        tl.store(out_rows + LATENT + HALF + idx[None, :], r2.to(out_ptr.dtype.element_ty), mask=stored)
+
+
+@_jit
+def _mla_value_kernel(o_ptr, w_ptr, out_ptr, T, V, stride_ot, stride_oh, stride_wh, stride_wv, LATENT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    h = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(rm, T - 1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, LATENT, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+        o = tl.load(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rk[None, :])
+        w = tl.load(w_ptr + h * stride_wh + rn[:, None] * stride_wv + rk[None, :], mask=(rn < V)[:, None], other=0.0)
+        acc = tl.dot(o, tl.trans(w), acc)
+    heads = tl.num_programs(0)
+    tl.store(out_ptr + rm[:, None] * (heads * V) + h * V + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm < T)[:, None] & (rn < V)[None, :])
