@@ -54,18 +54,19 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                 torch.testing.assert_close(got_q, ref_q, **tol(dtype))
                 torch.testing.assert_close(got_kv, ref_kv, **tol(dtype))
         if dtype != torch.float32:  # 16-bit only (fp32 takes the torch path)
-            for t in (tokens, 19):  # past one block of 16 tokens
-                q = rand(t, heads, 192).to(dtype)
-                w_uk = (rand(heads, 256, 512) / 128 ** 0.5).to(dtype)[:, :128]  # kv_b_proj's W_UK rows
+            # (tokens, nope, v, latent): DeepSeek's dims; past one block of 16 tokens; v no multiple of 16
+            for t, nope, v, latent in ((tokens, 128, 128, 512), (19, 128, 128, 512), (3, 64, 40, 256)):
+                q = rand(t, heads, nope + 64).to(dtype)
+                kv_b = rand(heads, nope + v, latent).to(dtype)
+                w_uk, w_uv = (kv_b[:, :nope] / nope ** 0.5), (kv_b[:, nope:] / latent ** 0.5)  # kv_b_proj's rows
                 rows = torch.arange(t, device=device) % tokens
                 for interleave in (True, False):
-                    latent = (q[..., :128].float().transpose(0, 1) @ w_uk.float()).transpose(0, 1)
-                    rope = ops.apply_rope(q[..., 128:].float(), cos[rows], sin[rows], interleave)
-                    ref = torch.cat([latent, rope], -1).to(dtype)
+                    q_latent = (q[..., :nope].float().transpose(0, 1) @ w_uk.float()).transpose(0, 1)
+                    rope = ops.apply_rope(q[..., nope:].float(), cos[rows], sin[rows], interleave)
+                    ref = torch.cat([q_latent, rope], -1).to(dtype)
                     for query in (ops.triton_mla_query, ops.mla_query):  # the kernel, and what the device takes
                         torch.testing.assert_close(query(q, w_uk, cos[rows], sin[rows], interleave), ref, **tol(dtype))
-                out = rand(t, heads, 512).to(dtype)
-                w_uv = (rand(heads, 256, 512) / 512 ** 0.5).to(dtype)[:, 128:]  # kv_b_proj's W_UV rows
+                out = rand(t, heads, latent).to(dtype)
                 ref = (out.float().transpose(0, 1) @ w_uv.float().transpose(1, 2)).transpose(0, 1).flatten(1).to(dtype)
                 for value in (ops.triton_mla_value, ops.mla_value):
                     torch.testing.assert_close(value(out, w_uv), ref, **tol(dtype))
@@ -92,6 +93,14 @@ def test_rope_interleaved_pairs_rotate_as_complex_numbers():
     z = torch.complex(x[:, 0::2], x[:, 1::2]) * torch.polar(torch.ones_like(theta), theta)
     got = ops.apply_rope(x, theta.cos(), theta.sin(), interleave=True)
     torch.testing.assert_close(got, torch.cat([z.real, z.imag], dim=-1))
+
+
+def test_absorbed_products_refuse_mismatched_shapes():
+    w_uk = torch.zeros(2, 16, 512)
+    with pytest.raises(ValueError, match=r"q must be \[T, 2, 80\]"):
+        ops.mla_query(torch.zeros(3, 2, 64), w_uk, torch.zeros(3, 32), torch.zeros(3, 32), True)
+    with pytest.raises(ValueError, match=r"out must be \[T, 2, 512\]"):
+        ops.mla_value(torch.zeros(3, 4, 512), torch.zeros(2, 16, 512))
 
 
 def test_training_takes_the_torch_path_with_gradients():

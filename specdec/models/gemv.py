@@ -22,9 +22,10 @@ GEMV_MAX_ROWS = 16  # decode GEMMs of at most this many rows stream the weight o
 
 
 def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The GEMV serves: a 16-bit x of at most GEMV_MAX_ROWS unit-stride rows, a contiguous weight."""
+    """The GEMV serves: a 16-bit x of at most GEMV_MAX_ROWS unit-stride rows, a contiguous weight of
+    x's dtype."""
     return (on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.stride(1) == 1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -113,7 +114,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, SILU: tl.constexpr, 
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as torch's F.silu
             xs = (act * up).to(dtype)
             x = tl.reshape(tl.broadcast_to(xs[None, :, :], [BLOCK_M // ROWS, ROWS, BLOCK_K]), [BLOCK_M, BLOCK_K])
-            x = tl.where((tl.arange(0, BLOCK_M) < ROWS)[:, None], x, tl.zeros_like(x))  # row r: row r % ROWS
+            x = tl.where((tl.arange(0, BLOCK_M) < ROWS)[:, None], x, tl.zeros_like(x))  # the copies past ROWS: 0
         else:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
                         other=0.0)

@@ -198,7 +198,10 @@ def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch
     One kernel on a GPU (16-bit): a program per (head, 64 latent columns, 16 tokens) streams its
     slice of W_UK once for all the tokens, which torch does as a batched GEMM, a copy and the rope.
     """
-    nope, latent = w_uk.shape[1:]
+    heads, nope, latent = w_uk.shape
+    if q.dim() != 3 or tuple(q.shape[1:]) != (heads, nope + 64):
+        raise ValueError(f"mla_query: q must be [T, {heads}, {nope + 64}] for W_UK {tuple(w_uk.shape)}, "
+                         f"got {tuple(q.shape)}")
     if (on_triton(q, w_uk) and q.dtype in (torch.bfloat16, torch.float16) and q.stride(2) == 1
             and w_uk.stride(2) == 1 and nope >= 16 and nope & (nope - 1) == 0 and latent % 64 == 0):
         return triton_mla_query(q, w_uk, cos, sin, interleave)
@@ -225,6 +228,9 @@ def mla_value(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """Each head's attention output ``out [T, H, 512]`` times its W_UV ``w_uv [H, v, 512]`` (rows of
     kv_b_proj's weight) -> ``[T, H * v]``, the o_proj input: one kernel on a GPU (16-bit) writing
     that layout, where torch does a batched GEMM and a copy."""
+    if out.dim() != 3 or (out.shape[1], out.shape[2]) != (w_uv.shape[0], w_uv.shape[2]):
+        raise ValueError(f"mla_value: out must be [T, {w_uv.shape[0]}, {w_uv.shape[2]}] for W_UV "
+                         f"{tuple(w_uv.shape)}, got {tuple(out.shape)}")
     if (on_triton(out, w_uv) and out.dtype in (torch.bfloat16, torch.float16) and out.stride(2) == 1
             and w_uv.stride(2) == 1 and out.shape[2] % 128 == 0):
         return triton_mla_value(out, w_uv)
@@ -249,9 +255,10 @@ def triton_mla_value(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 def _mla_query_kernel(q_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, T, stride_qt, stride_qh, stride_wh, stride_wd,
                       NOPE: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows past T load row T - 1 again (no masks on the loads) and store nothing."""
+    """Rows past T load row T - 1 again (no masks on the loads) and store nothing. Row offsets are
+    int64: a long prefill's T * H * 576 passes 2^31."""
     h, n_blk = tl.program_id(0), tl.program_id(1)
-    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rows = tl.minimum(rm, T - 1)
     heads = tl.num_programs(0)
     q_rows = q_ptr + rows[:, None] * stride_qt + h * stride_qh
@@ -274,9 +281,10 @@ def _mla_query_kernel(q_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, T, stride_qt, str
 @_jit
 def _mla_value_kernel(o_ptr, w_ptr, out_ptr, T, V, stride_ot, stride_oh, stride_wh, stride_wv, LATENT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """As _mla_query_kernel: rows past T load row T - 1 and store nothing; int64 row offsets."""
     h = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rows = tl.minimum(rm, T - 1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, LATENT, BLOCK_K):
