@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from attn.base import AttnBatch, LayerSpec
-from specdec.models import gemv
+from specdec.models import gemv, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.deepseek import (
     DecoderLayer, DeepseekV3ForCausalLM, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding, check_inputs,
@@ -95,9 +95,18 @@ class DeepseekMTP(nn.Module):
         check_inputs(input_ids, positions, self.config.vocab_size)
         if hidden_in.shape != (input_ids.shape[0], self.config.hidden_size):
             raise ValueError(f"hidden_in must be [T={input_ids.shape[0]}, {self.config.hidden_size}]; got {tuple(hidden_in.shape)}")
-        x = gemv.linear(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden_in)], dim=-1), self.eh_proj.weight)
+        x = gemv.linear(self._eh_input(input_ids, hidden_in), self.eh_proj.weight)
         x, residual = self.layer(x, None, self.rotary(positions), backend, batch)
         return self.shared_head.norm.residual(x, residual)[0]
+
+    def _eh_input(self, input_ids: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
+        """enorm(embed(ids)) ++ hnorm(hidden_in) ``[T, 2D]``: one kernel (ops.mtp_input) where the
+        embedding is a whole table (not a rank's vocabulary slice, whose lookup sums the ranks')."""
+        embed = self.embed_tokens
+        if isinstance(embed, VocabEmbedding) and embed.parallel.size == 1:
+            return ops.mtp_input(input_ids, embed.weight, hidden_in, self.enorm.weight, self.hnorm.weight,
+                                 self.enorm.eps, self.hnorm.eps)
+        return torch.cat([self.enorm(embed(input_ids)), self.hnorm(hidden_in)], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""

@@ -1,6 +1,6 @@
-"""The decode forward's fused steps between its GEMVs (specdec/models/gemv.py): the norms, the MLA
-latents and query (with W_UK's product) and W_UV's product; one Triton kernel each on a GPU, plain
-torch elsewhere.
+"""The decode forward's fused steps between its GEMVs (specdec/models/gemv.py): the norms, the MTP
+layer's input, the MLA latents and query (with W_UK's product) and W_UV's product; one Triton
+kernel each on a GPU, plain torch elsewhere.
 
 Why our own kernels: at decode sizes each torch op is its own launch (a layer was ~60 small ones);
 each of these is one launch reading its inputs once. FlashInfer is not in every install.
@@ -62,6 +62,14 @@ def _scaled(w_ptrs, normed, mask, DTYPE: tl.constexpr):
 
 
 @_jit
+def _normed_row(x, w_ptrs, mask, D, eps, DTYPE: tl.constexpr):
+    """rms_norm of one row ``x [BLOCK]`` (zeros past D) times the weight, in DTYPE."""
+    f = x.to(tl.float32)
+    normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / D + eps)
+    return _scaled(w_ptrs, normed, mask, DTYPE)
+
+
+@_jit
 def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, stride_res,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -72,9 +80,54 @@ def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, st
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * D + cols, x, mask=mask)
-    f = x.to(tl.float32)
-    normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / D + eps)
-    tl.store(out_ptr + row * D + cols, _scaled(w_ptr + cols, normed, mask, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * D + cols, _normed_row(x, w_ptr + cols, mask, D, eps, out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------- MTP input
+def mtp_input(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, e_weight: torch.Tensor,
+              h_weight: torch.Tensor, e_eps: float, h_eps: float) -> torch.Tensor:
+    """The MTP layer's eh_proj input ``[T, 2D]``: rms_norm(table[ids]) ++ rms_norm(hidden), ids
+    ``[T]`` int64, table ``[V, D]``, hidden ``[T, D]``; each norm as rms_norm computes it.
+
+    One kernel on a GPU, a program per token, where torch launches the lookup, two norms and the
+    concatenation. There an id outside the table gives a zero row (torch's lookup raises).
+    """
+    if (on_triton(table, hidden, e_weight, h_weight) and hidden.dim() == 2 and hidden.stride(1) == 1
+            and table.stride(1) == 1 and table.shape[1] == hidden.shape[1] and hidden.dtype == table.dtype):
+        return triton_mtp_input(ids, table, hidden, e_weight, h_weight, e_eps, h_eps)
+    return torch.cat([rms_norm(F.embedding(ids, table), e_weight, e_eps)[0], rms_norm(hidden, h_weight, h_eps)[0]],
+                     dim=-1)
+
+
+def triton_mtp_input(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, e_weight: torch.Tensor,
+                     h_weight: torch.Tensor, e_eps: float, h_eps: float) -> torch.Tensor:
+    """mtp_input's kernel: rows of unit stride; the norms' tiles and warps are rms_norm's, so each
+    half equals what triton_rms_norm gives for it."""
+    t, d = hidden.shape
+    if ids.shape != (t,):
+        raise ValueError(f"mtp_input: ids must be [{t}] (one a hidden row), got {tuple(ids.shape)}")
+    out = hidden.new_empty(t, 2 * d)
+    if t:
+        _mtp_input_kernel[(t,)](ids, table, hidden, e_weight, h_weight, out, table.shape[0], d, table.stride(0),
+                                hidden.stride(0), e_eps, h_eps, BLOCK=_pow2(d), num_warps=8 if d >= 4096 else 4)
+    return out
+
+
+@_jit
+def _mtp_input_kernel(ids_ptr, table_ptr, hidden_ptr, ew_ptr, hw_ptr, out_ptr, V, D, stride_table, stride_hidden,
+                      e_eps, h_eps, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    token = tl.load(ids_ptr + t)
+    known = (token >= 0) & (token < V)
+    row = tl.where(known, token, 0).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    out = out_ptr + t.to(tl.int64) * (2 * D)
+    embedded = tl.load(table_ptr + row * stride_table + cols, mask=mask & known, other=0.0)
+    tl.store(out + cols, _normed_row(embedded, ew_ptr + cols, mask, D, e_eps, dtype), mask=mask)
+    h = tl.load(hidden_ptr + t.to(tl.int64) * stride_hidden + cols, mask=mask, other=0.0)
+    tl.store(out + D + cols, _normed_row(h, hw_ptr + cols, mask, D, h_eps, dtype), mask=mask)
 
 
 # --------------------------------------------------------------------------- silu * up
