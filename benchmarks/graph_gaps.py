@@ -1,0 +1,177 @@
+"""Launch gaps inside replayed CUDA graphs: the time from one kernel's end to the next one's start,
+as a process captures more graphs (GPU). docs/benchmarks.md ("Launch gaps in CUDA graphs") has
+what it showed on an H200: a process's first graphs replay with ~0 us between kernels, and from
+about the fourth on every graph, the first included, with ~0.4 us; a spec step runs in that state.
+
+    python -m benchmarks.graph_gaps [--graphs 8] [--layers 20] [--variants plain,keep,pool,event,free]
+                                    [--out benchmarks/results/graph_gaps.png]
+
+Each graph replays ``layers`` GEMV + RMS-norm pairs of the rank slice's hidden size (7168). The
+variants test what could switch the state, each in a process of its own: ``plain`` (torch's
+defaults), ``keep`` (keep_graph=True, instantiated on first replay, as GraphRunner's graphs),
+``pool`` (every capture in one memory pool, as GraphRunner), ``event`` (an external event record
+mid-graph, as the step's host copy), ``free`` (each graph freed before the next is captured).
+Rows: the newest graph's median gap and replay time, and the first graph's gap again (``plain``
+keeps it alive). Prints a table, writes CSV and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+VARIANTS = ("plain", "keep", "pool", "event", "free")
+HIDDEN = 7168
+FIELDS = ("variant", "graph", "alive", "gap_us", "first_gap_us", "replay_us")
+
+
+def median_gap(spans: Sequence[tuple[float, float]]) -> float:
+    """The median time from a kernel's end to the next one's start, us, over ``spans`` (start,
+    end) in us, in any order; 0 for fewer than two kernels. E.g. (0, 10), (10.5, 20), (20.1, 30)
+    -> gaps 0.5 and 0.1 -> 0.3."""
+    ordered = sorted(spans)
+    gaps = [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def _kernel_spans(replay, reps: int = 3) -> list[tuple[float, float]]:
+    """The last of ``reps`` replays' kernel spans (torch.profiler, us)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+            torch.cuda.synchronize()
+    events = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    return events[-(len(events) // reps):] if events else []
+
+
+def _replay_us(replay, reps: int = 20) -> float:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    start.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def run_variant(variant: str, graphs: int, layers: int) -> list[dict]:
+    """Capture ``graphs`` graphs of the chain one after another in this process, as ``variant``
+    says; a row per capture."""
+    import torch
+
+    from specdec.models import gemv, ops
+
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5
+    norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    event = torch.cuda.Event(external=True)
+
+    def chain() -> torch.Tensor:
+        h = x
+        for i in range(layers):
+            h = ops.rms_norm(gemv.linear(h, w), norm, 1e-6)[0]
+            if variant == "event" and i == layers // 2:
+                event.record()
+        return h
+
+    chain()
+    torch.cuda.synchronize()
+    pool = torch.cuda.graph_pool_handle() if variant == "pool" else None
+    alive, rows = [], []
+    for i in range(graphs):
+        if variant == "free":
+            alive.clear()
+        graph = torch.cuda.CUDAGraph(keep_graph=variant == "keep")
+        with torch.cuda.graph(graph, pool=pool):
+            chain()
+        alive.append(graph)
+        gap = median_gap(_kernel_spans(graph.replay))
+        first = median_gap(_kernel_spans(alive[0].replay)) if alive[0] is not graph else gap
+        rows.append({"variant": variant, "graph": i, "alive": len(alive), "gap_us": round(gap, 3),
+                     "first_gap_us": round(first, 3), "replay_us": round(_replay_us(graph.replay), 1)})
+    return rows
+
+
+def _in_child(variant: str, graphs: int, layers: int) -> list[dict]:
+    code = (f"import json; from benchmarks.graph_gaps import run_variant; "
+            f"print(json.dumps(run_variant({variant!r}, {graphs}, {layers})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(rows: list[dict], out: Path) -> None:
+    """Print the table; write ``out`` with .csv, and the PNG where matplotlib is installed."""
+    print(" ".join(f"{f:>13}" for f in FIELDS))
+    for r in rows:
+        print(" ".join(f"{r[f]!s:>13}" for f in FIELDS))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out.with_suffix('.csv')}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no PNG")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        ax.plot([r["graph"] for r in mine], [r["gap_us"] for r in mine], marker="o", label=variant)
+    ax.set_xlabel("graphs captured before it")
+    ax.set_ylabel("median gap between kernels, us")
+    ax.set_title("Launch gaps in replayed CUDA graphs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(f"wrote {out.with_suffix('.png')}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--graphs", type=int, default=8, help="graphs each variant captures (default 8)")
+    ap.add_argument("--layers", type=int, default=20, help="GEMV + norm pairs a graph replays (default 20)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/graph_gaps.png"))
+    args = ap.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.graphs < 1 or args.layers < 1:
+        ap.error("--graphs and --layers must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks.graph_gaps measures CUDA graphs: it needs a GPU (none here)")
+        return 1
+    rows = [row for v in args.variants for row in _in_child(v, args.graphs, args.layers)]
+    report(rows, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
