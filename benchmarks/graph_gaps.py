@@ -8,11 +8,12 @@ about the fourth on every graph, the first included, with ~0.4 us; a spec step r
 
 Each graph replays ``layers`` GEMV + RMS-norm pairs of the rank slice's hidden size (7168). The
 variants test what could switch the state, each in a process of its own: ``plain`` (torch's
-defaults), ``keep`` (keep_graph=True, instantiated on first replay, as GraphRunner's graphs),
-``pool`` (every capture in one memory pool, as GraphRunner), ``event`` (an external event record
-mid-graph, as the step's host copy), ``free`` (each graph freed before the next is captured).
-Rows: the newest graph's median gap and replay time, and the first graph's gap again (``plain``
-keeps it alive). Prints a table, writes CSV and a PNG.
+defaults), ``keep`` (keep_graph=True, instantiated on first replay; GraphRunner's graphs keep
+theirs for the joined graph), ``pool`` (every capture in one memory pool, as GraphRunner's),
+``event`` (mid-graph, a copy to pinned memory and an external event record: the step's host
+copy), ``free`` (each graph freed before the next is captured; the others keep every graph).
+Rows: the newest graph's replay time (taken before any profiling of it), its median gap, and the
+first graph's gap again. Prints a table, writes CSV and a PNG.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def median_gap(spans: Sequence[tuple[float, float]]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
+def last_replay(spans: Sequence[tuple[float, float]], reps: int) -> list[tuple[float, float]]:
+    """The last of ``reps`` replays' spans, ``spans`` sorted and holding every replay's kernels
+    alike; [] when there are fewer spans than replays (the profiler dropped some)."""
+    per = len(spans) // reps
+    return list(spans[len(spans) - per:]) if per else []
+
+
 def _kernel_spans(replay, reps: int = 3) -> list[tuple[float, float]]:
     """The last of ``reps`` replays' kernel spans (torch.profiler, us)."""
     import torch
@@ -51,9 +59,8 @@ def _kernel_spans(replay, reps: int = 3) -> list[tuple[float, float]]:
         for _ in range(reps):
             replay()
             torch.cuda.synchronize()
-    events = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    return events[-(len(events) // reps):] if events else []
+    return last_replay(sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CUDA), reps)
 
 
 def _replay_us(replay, reps: int = 20) -> float:
@@ -80,12 +87,15 @@ def run_variant(variant: str, graphs: int, layers: int) -> list[dict]:
     w = torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5
     norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
     event = torch.cuda.Event(external=True)
+    pinned = torch.empty(8, dtype=torch.long, pin_memory=True)
+    report = torch.zeros(8, dtype=torch.long, device="cuda")
 
     def chain() -> torch.Tensor:
         h = x
         for i in range(layers):
             h = ops.rms_norm(gemv.linear(h, w), norm, 1e-6)[0]
             if variant == "event" and i == layers // 2:
+                pinned.copy_(report, non_blocking=True)
                 event.record()
         return h
 
@@ -94,23 +104,40 @@ def run_variant(variant: str, graphs: int, layers: int) -> list[dict]:
     pool = torch.cuda.graph_pool_handle() if variant == "pool" else None
     alive, rows = [], []
     for i in range(graphs):
-        if variant == "free":
+        if variant == "free" and alive:
+            del graph
             alive.clear()
+            torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph(keep_graph=variant == "keep")
         with torch.cuda.graph(graph, pool=pool):
             chain()
         alive.append(graph)
+        replay_us = _replay_us(graph.replay)
         gap = median_gap(_kernel_spans(graph.replay))
         first = median_gap(_kernel_spans(alive[0].replay)) if alive[0] is not graph else gap
         rows.append({"variant": variant, "graph": i, "alive": len(alive), "gap_us": round(gap, 3),
-                     "first_gap_us": round(first, 3), "replay_us": round(_replay_us(graph.replay), 1)})
+                     "first_gap_us": round(first, 3), "replay_us": round(replay_us, 1)})
     return rows
 
 
+CHILD_TIMEOUT_S = 300
+
+
 def _in_child(variant: str, graphs: int, layers: int) -> list[dict]:
+    """run_variant in a process of its own, from the repository root; [] with the child's error
+    printed if it fails (the other variants still run)."""
     code = (f"import json; from benchmarks.graph_gaps import run_variant; "
             f"print(json.dumps(run_variant({variant!r}, {graphs}, {layers})))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    root = Path(__file__).resolve().parents[1]
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"# {variant}: no result in {CHILD_TIMEOUT_S} s")
+        return []
+    if done.returncode != 0:
+        print(f"# {variant} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        return []
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -169,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("benchmarks.graph_gaps measures CUDA graphs: it needs a GPU (none here)")
         return 1
     rows = [row for v in args.variants for row in _in_child(v, args.graphs, args.layers)]
+    if not rows:
+        return 1
     report(rows, args.out)
     return 0
 

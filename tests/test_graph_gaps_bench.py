@@ -17,6 +17,20 @@ def test_median_gap_orders_the_kernels_first():
     assert graph_gaps.median_gap([(0.0, 1.0)]) == 0.0
 
 
+def test_last_replay_takes_the_final_share_of_the_spans():
+    spans = [(float(i), i + 0.5) for i in range(9)]  # 3 replays of 3 kernels
+    assert graph_gaps.last_replay(spans, 3) == spans[6:]
+    assert graph_gaps.last_replay(spans[:2], 3) == []  # fewer spans than replays: none to trust
+
+
+def test_a_failed_variant_reports_its_error_and_yields_no_rows(capsys):
+    """A child without a GPU fails (here: no CUDA); its error is printed, not swallowed."""
+    if torch.cuda.is_available():
+        pytest.skip("the child would succeed on a GPU")
+    assert graph_gaps._in_child("plain", 1, 1) == []
+    assert "plain failed" in capsys.readouterr().out
+
+
 def test_flags_are_checked():
     assert graph_gaps.parse_args(["--variants", "plain,free"]).variants == ["plain", "free"]
     with pytest.raises(SystemExit):

@@ -35,16 +35,17 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
         torch.testing.assert_close(ops.rms_norm(strided, w, 1e-6)[0], ops._torch_rms_norm(strided, w, 1e-6))
 
         table, hidden = rand(50, d).to(dtype), rand(tokens, d).to(dtype)
-        ids = torch.tensor([3, 0, 49, 3, 7][:tokens], device=device)
+        ids = torch.tensor([3, 0, 49, 3, 7][:tokens], device=device).repeat_interleave(2)[::2]  # stride 2
         hw = (1 + 0.2 * rand(d)).to(dtype)
-        ref = torch.cat([ops.rms_norm(table[ids], w, 1e-6)[0], ops.rms_norm(hidden, hw, 1e-5)[0]], dim=-1)
-        got = ops.triton_mtp_input(ids, table, hidden, w, hw, 1e-6, 1e-5)  # the kernel's halves are rms_norm's
-        torch.testing.assert_close(got, ref, **(dict(atol=0, rtol=0) if exact else tol(dtype)))
-        torch.testing.assert_close(ops.mtp_input(ids, table, hidden, w, hw, 1e-6, 1e-5), ref, **tol(dtype))
-        unknown = ops.triton_mtp_input(torch.tensor([50, -1][:tokens], device=device), table, hidden[:2], w, hw,
-                                       1e-6, 1e-5)
+        halves = (ops.triton_rms_norm(table[ids], w, 1e-6)[0], ops.triton_rms_norm(hidden, hw, 0.5)[0])
+        assert ids.stride(0) == 2
+        got = ops.triton_mtp_input(ids, table, hidden, w, hw, 1e-6, 0.5)
+        torch.testing.assert_close(got, torch.cat(halves, dim=-1), atol=0, rtol=0)  # each half is rms_norm's kernel
+        ref = torch.cat([ops._torch_rms_norm(table[ids], w, 1e-6), ops._torch_rms_norm(hidden, hw, 0.5)], dim=-1)
+        torch.testing.assert_close(ops.mtp_input(ids, table, hidden, w, hw, 1e-6, 0.5), ref, **tol(dtype))
+        unknown = ops.triton_mtp_input(torch.tensor([50, -1], device=device), table, hidden[:2], w, hw, 1e-6, 0.5)
         assert not unknown[:, :d].any()  # an id outside the table: a zero row, not another row's
-        torch.testing.assert_close(unknown[:, d:], ref[:2, d:], **(dict(atol=0, rtol=0) if exact else tol(dtype)))
+        torch.testing.assert_close(unknown[:, d:], got[:2, d:], atol=0, rtol=0)
 
         gu = rand(tokens, 2 * 300).to(dtype)  # an intermediate that is no power of two
         gate, up = gu.float().chunk(2, dim=-1)
@@ -87,7 +88,7 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
 
 def test_kernels_under_triton_interpreter():
     pytest.importorskip("triton")
-    run_interpreted(_CHECKS + "\ncheck_all('cpu', (torch.float32, torch.bfloat16), d=1000, q_rank=96, tokens=4, exact=False)\nprint('ok')\n")
+    run_interpreted(_CHECKS + "\ncheck_all('cpu', (torch.float32, torch.bfloat16, torch.float16), d=1000, q_rank=96, tokens=4, exact=False)\nprint('ok')\n")
 
 
 @pytest.mark.gpu

@@ -100,13 +100,14 @@ class DeepseekMTP(nn.Module):
         return self.shared_head.norm.residual(x, residual)[0]
 
     def _eh_input(self, input_ids: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
-        """enorm(embed(ids)) ++ hnorm(hidden_in) ``[T, 2D]``: one kernel (ops.mtp_input) where the
-        embedding is a whole table (not a rank's vocabulary slice, whose lookup sums the ranks')."""
-        embed = self.embed_tokens
-        if isinstance(embed, VocabEmbedding) and embed.parallel.size == 1:
-            return ops.mtp_input(input_ids, embed.weight, hidden_in, self.enorm.weight, self.hnorm.weight,
-                                 self.enorm.eps, self.hnorm.eps)
-        return torch.cat([self.enorm(embed(input_ids)), self.hnorm(hidden_in)], dim=-1)
+        """enorm(embed(ids)) ++ hnorm(hidden_in) ``[T, 2D]``: one kernel (ops.mtp_input) on the
+        Triton path where the embedding is a whole table (not a rank's vocabulary slice, whose lookup
+        sums the ranks') and the three modules are ours (that kernel runs no module hooks)."""
+        embed, enorm, hnorm = self.embed_tokens, self.enorm, self.hnorm
+        if (type(embed) is VocabEmbedding and embed.parallel.size == 1 and type(enorm) is RMSNorm
+                and type(hnorm) is RMSNorm and ops.on_triton(hidden_in, embed.weight, enorm.weight, hnorm.weight)):
+            return ops.mtp_input(input_ids, embed.weight, hidden_in, enorm.weight, hnorm.weight, enorm.eps, hnorm.eps)
+        return torch.cat([enorm(embed(input_ids)), hnorm(hidden_in)], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32."""

@@ -108,18 +108,19 @@ def triton_mtp_input(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tenso
         raise ValueError(f"mtp_input: ids must be [{t}] (one a hidden row), got {tuple(ids.shape)}")
     out = hidden.new_empty(t, 2 * d)
     if t:
-        _mtp_input_kernel[(t,)](ids, table, hidden, e_weight, h_weight, out, table.shape[0], d, table.stride(0),
-                                hidden.stride(0), e_eps, h_eps, BLOCK=_pow2(d), num_warps=8 if d >= 4096 else 4)
+        _mtp_input_kernel[(t,)](ids, table, hidden, e_weight, h_weight, out, table.shape[0], d, ids.stride(0),
+                                table.stride(0), hidden.stride(0), e_eps, h_eps, BLOCK=_pow2(d),
+                                num_warps=8 if d >= 4096 else 4)
     return out
 
 
 @_jit
-def _mtp_input_kernel(ids_ptr, table_ptr, hidden_ptr, ew_ptr, hw_ptr, out_ptr, V, D, stride_table, stride_hidden,
-                      e_eps, h_eps, BLOCK: tl.constexpr):
+def _mtp_input_kernel(ids_ptr, table_ptr, hidden_ptr, ew_ptr, hw_ptr, out_ptr, V, D, stride_ids, stride_table,
+                      stride_hidden, e_eps, h_eps, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    token = tl.load(ids_ptr + t)
+    token = tl.load(ids_ptr + t * stride_ids)
     known = (token >= 0) & (token < V)
     row = tl.where(known, token, 0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
