@@ -271,10 +271,18 @@ class AttentionBackend(Protocol):
         per pass, before its layers. shared_block_tables: ``[B, max_pages]`` int32 another backend
         built over the same requests (the multi-step draft's steps), used as is."""
 
-    def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
+    def kv_rows(self, layer_id: int, batch: AttnBatch,
+                dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Where a dense pass's new KV rows go, for a model that writes them itself: (the layer's
+        cache rows ``[slots, 576]`` of ``dtype``, batch.out_cache_loc ``[T]`` int64), after checking
+        the pass as forward would (so a refused pass writes nothing); None where the cache holds
+        another dtype (forward encodes kv_new then) or the pass has no tokens."""
+
+    def forward(self, q: torch.Tensor, kv_new: Optional[torch.Tensor], layer_id: int, batch: AttnBatch) -> torch.Tensor:
         """Write ``kv_new`` ``[T, 576]`` into the cache at ``batch.out_cache_loc``, then attend.
 
-        q: ``[T, H, 576]``; returns ``[T, H, 512]`` in q's dtype.
+        q: ``[T, H, 576]``; returns ``[T, H, 512]`` in q's dtype. kv_new None: the model wrote the
+        rows where kv_rows said.
         """
 
     def index_topk(self, q: torch.Tensor, weights: torch.Tensor, k_new: torch.Tensor, layer_id: int,

@@ -217,19 +217,30 @@ class PagedMLABackend:
         return ()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch) -> torch.Tensor:
-        if not self.supports_dense:
-            raise ValueError(f"{self.name} runs sparse passes only (supports_dense=False), not a dense model's forward")
-        direct = batch.uniform_q_len and (self.max_decode_q_len is None or batch.max_q_len <= self.max_decode_q_len)
+    def kv_rows(self, layer_id: int, batch: AttnBatch,
+                dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Where a dense pass's new KV rows go, for a model that writes them itself (its latents
+        kernel) and then calls forward with kv_new None: (the layer's cache as rows ``[slots, 576]``,
+        batch.out_cache_loc ``[T]`` int64); None where the cache does not hold ``dtype`` rows as
+        they are (fp8: forward encodes them) or the pass has no tokens. The pass is checked as
+        forward checks it (all but q), so that a refused pass writes nothing."""
+        self._check_dense(layer_id)
+        self._check_batch(batch, self._direct(batch))
+        cache = self.kv.kv_buffers[layer_id]
+        if cache.dtype != dtype or batch.num_tokens == 0:
+            return None
+        return rows(cache), batch.out_cache_loc
+
+    def forward(self, q: torch.Tensor, kv_new: Optional[torch.Tensor], layer_id: int, batch: AttnBatch) -> torch.Tensor:
+        direct = self._direct(batch)
+        self._check_dense(layer_id)
         self._check_pass(q, kv_new, batch, direct)
-        if not 0 <= layer_id < len(self.kv.kv_buffers):
-            raise ValueError(f"{self.name}: layer_id must lie in [0, {len(self.kv.kv_buffers)}) (the pool's "
-                             f"layers: the model's num_attention_layers), got {layer_id!r}")
         if batch.num_tokens == 0:  # (kernels take no empty query; nothing to write either)
             return q.new_empty(0, q.shape[1], KV_LORA_RANK)
         md = self.metadata
         cache = self.kv.kv_buffers[layer_id]
-        self._write_kv(cache, kv_new, batch.out_cache_loc)
+        if kv_new is not None:
+            self._write_kv(cache, kv_new, batch.out_cache_loc)
         if direct:  # uniform query lengths the decode kernel takes: one call; a longer prefill goes in chunks
             bs, q_len = batch.batch_size, batch.max_q_len
             out = self._run_decode_kernel(
@@ -237,6 +248,18 @@ class PagedMLABackend:
             )
             return out.reshape(q.shape[0], q.shape[1], KV_LORA_RANK)
         return self._run_prefill_kernel(q, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, batch.max_q_len, md.max_seq_len)
+
+    def _direct(self, batch: AttnBatch) -> bool:
+        """The pass goes to the decode kernel in one call (uniform query lengths it takes)."""
+        return batch.uniform_q_len and (self.max_decode_q_len is None or batch.max_q_len <= self.max_decode_q_len)
+
+    def _check_dense(self, layer_id: int) -> None:
+        """forward's and kv_rows' checks of the backend and the layer (the pass's: _check_pass)."""
+        if not self.supports_dense:
+            raise ValueError(f"{self.name} runs sparse passes only (supports_dense=False), not a dense model's forward")
+        if not 0 <= layer_id < len(self.kv.kv_buffers):
+            raise ValueError(f"{self.name}: layer_id must lie in [0, {len(self.kv.kv_buffers)}) (the pool's "
+                             f"layers: the model's num_attention_layers), got {layer_id!r}")
 
     # ------------------------------------------------------------ sparse (DSA)
     def index_topk(self, q: torch.Tensor, weights: torch.Tensor, k_new: torch.Tensor, layer_id: int,
@@ -259,7 +282,8 @@ class PagedMLABackend:
         if slots.dim() != 2 or slots.shape[0] != q.shape[0] or slots.dtype != torch.int32:
             raise ValueError(f"{self.name}: slots must be [{q.shape[0]}, topk] int32, got {tuple(slots.shape)} {slots.dtype}")
         cache = self.kv.kv_buffers[layer_id]
-        self._write_kv(cache, kv_new, batch.out_cache_loc)
+        if kv_new is not None:
+            self._write_kv(cache, kv_new, batch.out_cache_loc)
         return self._run_sparse_kernel(q, cache, slots)
 
     def check_sparse(self, topk: int, index_head_dim: Optional[int], layer_id: int = 0) -> None:
@@ -298,28 +322,34 @@ class PagedMLABackend:
         page_size, 576]`` -> ``[T, H, 512]`` in q's dtype (0 for a token with no row)."""
         raise NotImplementedError(f"{type(self).__name__} defines no sparse kernel")
 
-    def _check_pass(self, q: torch.Tensor, kv_new: torch.Tensor, batch: AttnBatch, direct: bool,
+    def _check_pass(self, q: torch.Tensor, kv_new: Optional[torch.Tensor], batch: AttnBatch, direct: bool,
                     heads: Optional[int] = None, width: int = KV_DIM) -> None:
         """What forward can check on the host, all before its cache write, so that a refused pass
         leaves the cache as it was (direct: the pass goes to the decode kernel in one call; heads x
-        width: q's, the layer's heads x 576 unless given, kv_new's width too: index_topk's). The
-        device metadata (cu_seqlens_q[-1] == the token count, q_lens <= max_q_len) is not checked:
-        that would sync."""
+        width: q's, the layer's heads x 576 unless given, kv_new's width too: index_topk's; kv_new
+        None: the rows are in the cache already, kv_rows). The device metadata (cu_seqlens_q[-1] ==
+        the token count, q_lens <= max_q_len) is not checked: that would sync."""
+        self._check_batch(batch, direct)
+        heads, tokens = heads or self.layer.num_heads, batch.num_tokens
+        if q.dim() != 3 or tuple(q.shape[1:]) != (heads, width):
+            raise ValueError(f"{self.name}: q must be [tokens, {heads}, {width}], got {tuple(q.shape)}")
+        if q.stride(2) != 1:
+            raise ValueError(f"{self.name}: q's last dim must be contiguous, got strides {q.stride()}")
+        if q.shape[0] != tokens or (kv_new is not None and tuple(kv_new.shape) != (tokens, width)):
+            got = "none" if kv_new is None else tuple(kv_new.shape)
+            raise ValueError(f"{self.name}: a pass of {tokens} new tokens (out_cache_loc) needs {tokens} query rows "
+                             f"and kv rows [{tokens}, {width}], got {q.shape[0]} and {got}")
+
+    def _check_batch(self, batch: AttnBatch, direct: bool) -> None:
+        """_check_pass's checks of the batch and the metadata alone."""
         if self.metadata is None:
             raise RuntimeError(f"{self.name}: init_forward_metadata was not called before forward")
         if self.metadata.seq_lens.shape[0] != batch.batch_size:
             raise ValueError(f"{self.name}: the metadata was built for a batch of {self.metadata.seq_lens.shape[0]} "
                              f"requests, this pass has {batch.batch_size}; call init_forward_metadata with its batch")
-        heads, tokens = heads or self.layer.num_heads, batch.num_tokens
+        tokens = batch.num_tokens
         if not is_int(batch.max_q_len) or batch.max_q_len < min(tokens, 1):
             raise ValueError(f"{self.name}: max_q_len must be an int >= 1 (0 for no tokens), got {batch.max_q_len!r}")
-        if q.dim() != 3 or tuple(q.shape[1:]) != (heads, width):
-            raise ValueError(f"{self.name}: q must be [tokens, {heads}, {width}], got {tuple(q.shape)}")
-        if q.stride(2) != 1:
-            raise ValueError(f"{self.name}: q's last dim must be contiguous, got strides {q.stride()}")
-        if q.shape[0] != tokens or tuple(kv_new.shape) != (tokens, width):
-            raise ValueError(f"{self.name}: a pass of {tokens} new tokens (out_cache_loc) needs {tokens} query rows "
-                             f"and kv rows [{tokens}, {width}], got {q.shape[0]} and {tuple(kv_new.shape)}")
         mode = batch.mode
         if (mode is ForwardMode.EXTEND and not self.supports_prefill) or (
                 mode is ForwardMode.DRAFT_EXTEND and not self.supports_draft_extend):
@@ -345,8 +375,9 @@ class PagedMLABackend:
         if mask.dtype != torch.bool or mask.dim() != 3 or tuple(mask.shape[:2]) != expected or mask.shape[2] < 1:
             raise ValueError(f"{self.name}: the tree mask must be [{expected[0]}, {expected[1]}, M >= 1] bool, "
                              f"got {tuple(mask.shape)} {mask.dtype}")
-        if mask.device != q.device:
-            raise ValueError(f"{self.name}: the tree mask is on {mask.device}, the query on {q.device}")
+        cache_device = self.kv.kv_buffers[0].device
+        if mask.device != cache_device:
+            raise ValueError(f"{self.name}: the tree mask is on {mask.device}, the cache on {cache_device}")
         if mask.stride(2) != 1:
             raise ValueError(f"{self.name}: the tree mask's last dim must be contiguous, got strides {mask.stride()}")
 

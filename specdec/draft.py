@@ -23,7 +23,8 @@ class TargetModel(Protocol):
     forward: ids ``[T]`` int64, positions ``[T]`` int64, backend, batch -> hidden ``[T, D]`` in
     the dtype of its parameters. Each of its MLA layers ``i`` calls ``backend.forward(q, kv_new, i,
     batch)`` once: q ``[T, H, 576]`` (absorbed: the nope part through W_UK, the rope part last;
-    last dim contiguous), kv_new ``[T, 576]`` (latent and roped key) -> ``[T, H, 512]`` (the model
+    last dim contiguous), kv_new ``[T, 576]`` (latent and roped key; or None after writing those
+    rows itself where ``backend.kv_rows(i, batch, dtype)`` said) -> ``[T, H, 512]`` (the model
     applies W_UV); it does not scale q (the backend applies attn_spec's sm_scale). Rotary
     embeddings come from ``positions`` alone: in a tree verify a token's kv slot is not its
     position. Nothing mixes tokens but attention, and the model is deterministic (eval mode:

@@ -66,6 +66,18 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                                     ops.apply_rope(qkv[:, -64:].float(), cos, sin, interleave).to(dtype)], dim=-1)
                 torch.testing.assert_close(got_q, ref_q, **tol(dtype))
                 torch.testing.assert_close(got_kv, ref_kv, **tol(dtype))
+                cache = torch.full((9, 576), 7.0, device=device, dtype=dtype)  # the rows of a cache
+                slots = torch.tensor([5, 0, 8, 2, 6][:tokens], device=device)
+                for latents in (ops.triton_mla_latents, ops.mla_latents):  # the kernel, and what the device takes
+                    cache.fill_(7.0)
+                    _, kv = latents(qkv, width, q_norm, kv_norm, 1e-6, cos, sin, interleave, (cache, slots))
+                    assert kv is None  # the rows went to the cache
+                    want = got_kv if latents is ops.triton_mla_latents else ref_kv
+                    torch.testing.assert_close(cache[slots], want, **(dict(atol=0, rtol=0) if latents is
+                                                                      ops.triton_mla_latents else tol(dtype)))
+                    untouched = torch.ones(9, dtype=torch.bool, device=device)
+                    untouched[slots] = False
+                    assert bool((cache[untouched] == 7.0).all())
         if dtype != torch.float32:  # 16-bit only (fp32 takes the torch path)
             # (tokens, nope, v, latent): DeepSeek's dims; past one block of 16 tokens; v no multiple of 16
             for t, nope, v, latent in ((tokens, 128, 128, 512), (19, 128, 128, 512), (3, 64, 40, 256)):

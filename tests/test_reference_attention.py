@@ -132,6 +132,32 @@ def test_backend_writes_kv_then_attends():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_kv_rows_take_the_models_own_write():
+    """kv_rows names the cache rows and slots; a forward with kv_new None then attends over what the
+    model wrote there, as a forward that writes kv_new itself would."""
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 6)
+    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=2, max_q_len=1)
+    g = torch.Generator().manual_seed(3)
+    kv_new, q = torch.randn(6, 576, generator=g), torch.randn(6, 2, 576, generator=g)
+    loc = pool.req_to_token[row, :6].long()
+    batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([6], dtype=torch.int32), loc,
+                      torch.tensor([0, 6], dtype=torch.int32), 6, False)
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        backend.kv_rows(0, batch, torch.float32)  # checked before anything is written
+    backend.init_forward_metadata(batch)
+    with pytest.raises(ValueError, match="layer_id must lie in"):
+        backend.kv_rows(1, batch, torch.float32)
+    assert backend.kv_rows(0, batch, torch.bfloat16) is None  # the cache holds fp32: forward writes kv_new
+    rows, slots = backend.kv_rows(0, batch, torch.float32)
+    assert rows.shape == (pool.kv_buffers[0].numel() // 576, 576) and slots is loc
+    rows.index_copy_(0, slots, kv_new)
+    written = backend.forward(q, None, 0, batch)
+    assert torch.equal(written, backend.forward(q, kv_new, 0, batch))
+    assert torch.equal(pool.kv_buffers[0].view(-1, 576)[loc], kv_new)
+
+
 def test_refused_passes_leave_the_cache_and_metadata_as_they_were():
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     row = pool.alloc_request()

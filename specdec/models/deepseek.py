@@ -175,14 +175,16 @@ class MLAttention(CheckpointViews, nn.Module):
 
     ``qkv_a`` ``[q_lora + 576, D]`` packs q_a_proj (or, without a q LoRA, q_proj) with
     kv_a_proj_with_mqa: one GEMM, then one kernel (ops.mla_latents) for both latent norms and the
-    rope of the cache row. W_UK / W_UV are views of kv_b_proj's weight ``[H, nope + v, 512]``,
-    multiplied per head where the query is assembled (ops.mla_query) and by ops.mla_value, which
-    writes o_proj's input (no per-call copy of the weight). Under tensor
+    rope of the cache row, which that kernel writes into the cache where the backend's kv_rows
+    says (its forward then takes kv_new None). W_UK / W_UV are views of kv_b_proj's weight
+    ``[H, nope + v, 512]``, multiplied per head where the query is assembled (ops.mla_query) and
+    by ops.mla_value, which writes o_proj's input (no per-call copy of the weight). Under tensor
     parallelism a rank holds num_attention_heads / tp heads (q_b_proj, kv_b_proj, o_proj sliced by
     head); the one shared latent KV head (qkv_a, the latent norms) is every rank's.
     """
 
     _packed = ("qkv_a",)
+    writes_kv_rows = True  # the latents kernel writes the pass's cache rows where the backend's kv_rows says
 
     def __init__(self, cfg: DeepseekV3Config, kv_layer_id: int, parallel: Parallel = SINGLE,
                  dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
@@ -213,8 +215,11 @@ class MLAttention(CheckpointViews, nn.Module):
         cfg = self.cfg
         h, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
-        q_a, kv_new = ops.mla_latents(gemv.linear(x, self.qkv_a), self.q_rank, q_norm, self.kv_a_layernorm.weight,
-                                      LATENT_NORM_EPS, *rope, cfg.rope_interleave)
+        qkv = gemv.linear(x, self.qkv_a)
+        kv_rows = getattr(backend, "kv_rows", None) if self.writes_kv_rows else None
+        cache = kv_rows(self.kv_layer_id, batch, qkv.dtype) if kv_rows is not None else None
+        q_a, kv_new = ops.mla_latents(qkv, self.q_rank, q_norm, self.kv_a_layernorm.weight, LATENT_NORM_EPS, *rope,
+                                      cfg.rope_interleave, cache)  # kv_new None: the rows are in the cache
         q = q_a if cfg.q_lora_rank is None else gemv.linear(q_a, self.q_b_proj.weight)
         q = q.view(-1, h, cfg.qk_head_dim)  # [T, H, nope + 64]
         w_uk, w_uv = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)

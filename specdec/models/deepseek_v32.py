@@ -67,6 +67,8 @@ class SparseMLAttention(MLAttention):
     """MLA (deepseek.MLAttention) whose query tokens attend only over their indexer's top
     ``index_topk`` rows."""
 
+    writes_kv_rows = False  # the indexer's pass (index_topk) is checked after the latents: forward_sparse writes
+
     def __init__(self, cfg: DeepseekV32Config, kv_layer_id: int, parallel: Parallel = SINGLE,
                  dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
         super().__init__(cfg, kv_layer_id, parallel, dtype, device)

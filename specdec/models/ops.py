@@ -189,40 +189,56 @@ def _rope_pairs(ptr, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
 
 
 # --------------------------------------------------------------------- MLA prologue
+KVRows = tuple[torch.Tensor, torch.Tensor]  # (cache rows [slots, 576], a token's slot [T] int64): attn's kv_rows
+
+
 def mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], kv_norm: torch.Tensor, eps: float,
-                cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                cache: Optional[KVRows] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The fused q_a / kv_a projection's output ``[T, q_rank + 576]`` -> (q side ``[T, q_rank]``,
     kv row ``[T, 576]``): q_a_layernorm on the q side (as is, without ``q_norm``: a plain q_proj's
     output), kv_a_layernorm on the 512 latent dims, RoPE on the 64 rope dims (the row the cache holds).
+    ``cache``: the kv rows go there instead, token t's to row ``slots[t]`` (and None comes back).
     """
     latent = qkv.shape[1] - q_rank - 64
-    if on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512:
-        return triton_mla_latents(qkv, q_rank, q_norm, kv_norm, eps, cos, sin, interleave)
+    if on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512 and (
+            cache is None or (cache[0].stride(1) == 1 and cache[0].dtype == qkv.dtype)):
+        return triton_mla_latents(qkv, q_rank, q_norm, kv_norm, eps, cos, sin, interleave, cache)
     q, latent_part, rope = qkv.split([q_rank, latent, 64], dim=-1)
     if q_norm is not None:
         q = _torch_rms_norm(q, q_norm, eps)
-    return q, torch.cat([_torch_rms_norm(latent_part, kv_norm, eps), apply_rope(rope, cos, sin, interleave)], dim=-1)
+    kv = torch.cat([_torch_rms_norm(latent_part, kv_norm, eps), apply_rope(rope, cos, sin, interleave)], dim=-1)
+    if cache is None:
+        return q, kv
+    cache[0].index_copy_(0, cache[1], kv)
+    return q, None
 
 
 def triton_mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], kv_norm: torch.Tensor,
-                       eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """mla_latents' kernel: a latent of 512, rows of unit stride, cos/sin ``[T, 32]`` fp32 contiguous."""
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                       cache: Optional[KVRows] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """mla_latents' kernel: a latent of 512, rows of unit stride, cos/sin ``[T, 32]`` fp32 contiguous;
+    ``cache`` rows of unit stride in qkv's dtype."""
     t = qkv.shape[0]
-    kv = qkv.new_empty(t, 576)
+    if cache is not None and (tuple(cache[1].shape) != (t,) or cache[0].shape[1] != 576):
+        raise ValueError(f"mla_latents: cache rows [slots, 576] and slots [{t}], got {tuple(cache[0].shape)} and "
+                         f"{tuple(cache[1].shape)}")
+    kv = qkv.new_empty(t, 576) if cache is None else cache[0]
     q = qkv.new_empty(t, q_rank) if q_norm is not None else qkv[:, :q_rank]
     if t:
         _mla_latents_kernel[(t,)](
-            qkv, q, q_norm if q_norm is not None else kv_norm, kv_norm, kv, cos, sin, eps, q_rank, qkv.stride(0),
-            HAS_Q_NORM=q_norm is not None, Q_BLOCK=_pow2(q_rank) if q_norm is not None else 1,
-            LATENT=512, HALF=32, INTERLEAVE=interleave, num_warps=4)
-    return q, kv
+            qkv, q, q_norm if q_norm is not None else kv_norm, kv_norm, kv, kv if cache is None else cache[1], cos, sin,
+            eps, q_rank, qkv.stride(0), kv.stride(0), HAS_Q_NORM=q_norm is not None,
+            Q_BLOCK=_pow2(q_rank) if q_norm is not None else 1, TO_SLOTS=cache is not None, LATENT=512, HALF=32,
+            INTERLEAVE=interleave, num_warps=4)
+    return q, (kv if cache is None else None)
 
 
 @_jit
-def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, cos_ptr, sin_ptr, eps, Q_RANK, stride_qkv,
-                        HAS_Q_NORM: tl.constexpr, Q_BLOCK: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr,
-                        INTERLEAVE: tl.constexpr):
+def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_ptr, sin_ptr, eps, Q_RANK, stride_qkv,
+                        stride_kv, HAS_Q_NORM: tl.constexpr, Q_BLOCK: tl.constexpr, TO_SLOTS: tl.constexpr,
+                        LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """TO_SLOTS: token t's kv row goes to row slots[t] of kv (the cache), else to row t."""
     t = tl.program_id(0)
     row = qkv_ptr + t * stride_qkv
     if HAS_Q_NORM:
@@ -234,7 +250,10 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, cos_ptr, sin_pt
     lat = tl.arange(0, LATENT)
     f = tl.load(row + Q_RANK + lat).to(tl.float32)
     normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / LATENT + eps)
-    out = kv_ptr + t * (LATENT + 2 * HALF)
+    slot = t.to(tl.int64)
+    if TO_SLOTS:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+    out = kv_ptr + slot * stride_kv
     tl.store(out + lat, _scaled(kvw_ptr + lat, normed, lat < LATENT, kv_ptr.dtype.element_ty))
     idx = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + t * HALF + idx)
