@@ -271,12 +271,13 @@ class AttentionBackend(Protocol):
         per pass, before its layers. shared_block_tables: ``[B, max_pages]`` int32 another backend
         built over the same requests (the multi-step draft's steps), used as is."""
 
-    def kv_rows(self, layer_id: int, batch: AttnBatch,
-                dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def kv_rows(self, layer_id: int, batch: AttnBatch, dtype: torch.dtype, tokens: int,
+                heads: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Where a dense pass's new KV rows go, for a model that writes them itself: (the layer's
         cache rows ``[slots, 576]`` of ``dtype``, batch.out_cache_loc ``[T]`` int64), after checking
-        the pass as forward would (so a refused pass writes nothing); None where the cache holds
-        another dtype (forward encodes kv_new then) or the pass has no tokens."""
+        the pass as forward would, for a q of ``tokens`` x ``heads`` (so a refused pass writes
+        nothing); None where the cache holds another dtype (forward encodes kv_new then) or the pass
+        has no tokens."""
 
     def forward(self, q: torch.Tensor, kv_new: Optional[torch.Tensor], layer_id: int, batch: AttnBatch) -> torch.Tensor:
         """Write ``kv_new`` ``[T, 576]`` into the cache at ``batch.out_cache_loc``, then attend.
@@ -302,7 +303,7 @@ class AttentionBackend(Protocol):
         of ``topk`` rows a token (max_index_topk) over indexer keys ``index_head_dim`` wide in every
         layer (None: unchecked); index_topk and forward_sparse call it, a model before its first layer."""
 
-    def forward_sparse(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch,
+    def forward_sparse(self, q: torch.Tensor, kv_new: Optional[torch.Tensor], layer_id: int, batch: AttnBatch,
                        slots: torch.Tensor) -> torch.Tensor:
         """forward's contract, attending only over ``slots`` ``[T, K]`` int32 (index_topk's; -1: none)
         instead of every visible row: the slots decide visibility, batch.custom_mask is not read."""

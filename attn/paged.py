@@ -217,17 +217,20 @@ class PagedMLABackend:
         return ()
 
     # ------------------------------------------------------------------ forward
-    def kv_rows(self, layer_id: int, batch: AttnBatch,
-                dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def kv_rows(self, layer_id: int, batch: AttnBatch, dtype: torch.dtype, tokens: int,
+                heads: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Where a dense pass's new KV rows go, for a model that writes them itself (its latents
         kernel) and then calls forward with kv_new None: (the layer's cache as rows ``[slots, 576]``,
         batch.out_cache_loc ``[T]`` int64); None where the cache does not hold ``dtype`` rows as
         they are (fp8: forward encodes them) or the pass has no tokens. The pass is checked as
-        forward checks it (all but q), so that a refused pass writes nothing."""
+        forward checks it, q's ``tokens`` and ``heads`` included, so a refused pass writes nothing."""
         self._check_dense(layer_id)
         self._check_batch(batch, self._direct(batch))
+        if (tokens, heads) != (batch.num_tokens, self.layer.num_heads):
+            raise ValueError(f"{self.name}: a pass of {batch.num_tokens} new tokens (out_cache_loc) over "
+                             f"{self.layer.num_heads} heads, got q of {tokens} tokens and {heads} heads")
         cache = self.kv.kv_buffers[layer_id]
-        if cache.dtype != dtype or batch.num_tokens == 0:
+        if cache.dtype != dtype or cache.element_size() == 1 or batch.num_tokens == 0:  # fp8: encoded, scaled
             return None
         return rows(cache), batch.out_cache_loc
 
@@ -275,7 +278,7 @@ class PagedMLABackend:
         return self._run_index_kernel(q, weights, cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
                                       batch.max_q_len, topk, batch.custom_mask, md.max_seq_len)
 
-    def forward_sparse(self, q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, batch: AttnBatch,
+    def forward_sparse(self, q: torch.Tensor, kv_new: Optional[torch.Tensor], layer_id: int, batch: AttnBatch,
                        slots: torch.Tensor) -> torch.Tensor:
         self.check_sparse(slots.shape[-1], None, layer_id)
         self._check_pass(q, kv_new, batch, True)

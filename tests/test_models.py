@@ -7,6 +7,7 @@ reference run over the whole sequence at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Callable
 
@@ -406,6 +407,46 @@ def test_config_reads_public_and_transformers_forms():
 
 
 # ------------------------------------------------------------------------ input validation
+def test_the_latents_write_the_cache_rows_where_the_backend_says():
+    """MLA layers take kv_rows' target: every backend.forward gets kv_new None and the cache holds
+    what a forward given kv_new would have written; a backend of another head count refuses the
+    pass in kv_rows, before any row is written."""
+    cfg = DeepseekV3Config(**TINY)
+    model = DeepseekV3ForCausalLM(cfg)
+    randomize(model, 5)
+
+    def run(spec):
+        pool = MLAKVPool(cfg.num_hidden_layers, num_pages=4, page_size=PAGE, max_requests=1, max_context_len=8,
+                         dtype=torch.float32)
+        row = pool.alloc_request()
+        pool.ensure_capacity(row, 3)
+        batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([3], dtype=torch.int32),
+                          pool.req_to_token[row, :3].long(), torch.tensor([0, 3], dtype=torch.int32), 3, False)
+        backend = TorchRefBackend(pool.view(), spec, max_batch_size=1, max_q_len=3)
+        backend.init_forward_metadata(batch)
+        return pool, backend, batch
+
+    pool, backend, batch = run(model.attn_spec())
+    given = []
+    forward = backend.forward
+    backend.forward = lambda q, kv_new, layer, b: given.append(kv_new) or forward(q, kv_new, layer, b)
+    hidden = model(torch.tensor([5, 9, 2]), torch.arange(3), backend, batch)
+    assert len(given) == cfg.num_hidden_layers and all(kv is None for kv in given)
+    ref_pool, ref_backend, ref_batch = run(model.attn_spec())
+    ref_backend.kv_rows = None  # the backend writes kv_new itself, as a backend without kv_rows does
+    torch.testing.assert_close(model(torch.tensor([5, 9, 2]), torch.arange(3), ref_backend, ref_batch), hidden,
+                               atol=0, rtol=0)
+    for ours, ref in zip(pool.kv_buffers, ref_pool.kv_buffers):
+        assert torch.equal(ours, ref)
+
+    wrong = dataclasses.replace(model.attn_spec(), num_heads=cfg.num_attention_heads + 1)
+    pool, backend, batch = run(wrong)
+    before = [b.clone() for b in pool.kv_buffers]
+    with pytest.raises(ValueError, match="heads"):
+        model(torch.tensor([5, 9, 2]), torch.arange(3), backend, batch)
+    assert all(torch.equal(a, b) for a, b in zip(pool.kv_buffers, before))
+
+
 def test_token_ids_out_of_range_raise_before_any_kv_write():
     cfg = DeepseekV3Config(**TINY, q_lora_rank=None)
     model = DeepseekV3ForCausalLM(cfg)

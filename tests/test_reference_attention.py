@@ -133,8 +133,8 @@ def test_backend_writes_kv_then_attends():
 
 
 def test_kv_rows_take_the_models_own_write():
-    """kv_rows names the cache rows and slots; a forward with kv_new None then attends over what the
-    model wrote there, as a forward that writes kv_new itself would."""
+    """kv_rows checks the pass and names the cache rows and slots; a forward with kv_new None then
+    attends over what the model wrote there, as a forward that writes kv_new itself would."""
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     row = pool.alloc_request()
     pool.ensure_capacity(row, 6)
@@ -145,17 +145,33 @@ def test_kv_rows_take_the_models_own_write():
     batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([6], dtype=torch.int32), loc,
                       torch.tensor([0, 6], dtype=torch.int32), 6, False)
     with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
-        backend.kv_rows(0, batch, torch.float32)  # checked before anything is written
+        backend.kv_rows(0, batch, torch.float32, 6, 2)  # checked before anything is written
     backend.init_forward_metadata(batch)
     with pytest.raises(ValueError, match="layer_id must lie in"):
-        backend.kv_rows(1, batch, torch.float32)
-    assert backend.kv_rows(0, batch, torch.bfloat16) is None  # the cache holds fp32: forward writes kv_new
-    rows, slots = backend.kv_rows(0, batch, torch.float32)
+        backend.kv_rows(1, batch, torch.float32, 6, 2)
+    for tokens, heads in ((5, 2), (6, 3)):  # q's shape as forward would refuse it
+        with pytest.raises(ValueError, match="6 new tokens .* over 2 heads"):
+            backend.kv_rows(0, batch, torch.float32, tokens, heads)
+    assert backend.kv_rows(0, batch, torch.bfloat16, 6, 2) is None  # the cache holds fp32: forward writes kv_new
+    rows, slots = backend.kv_rows(0, batch, torch.float32, 6, 2)
     assert rows.shape == (pool.kv_buffers[0].numel() // 576, 576) and slots is loc
     rows.index_copy_(0, slots, kv_new)
+    assert torch.equal(pool.kv_buffers[0].view(-1, 576)[loc], kv_new)
     written = backend.forward(q, None, 0, batch)
     assert torch.equal(written, backend.forward(q, kv_new, 0, batch))
-    assert torch.equal(pool.kv_buffers[0].view(-1, 576)[loc], kv_new)
+
+
+def test_kv_rows_leave_fp8_caches_and_empty_passes_to_forward():
+    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float8_e4m3fn, kv_scale=2.0)
+    row = pool.alloc_request()
+    pool.ensure_capacity(row, 2)
+    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=2, max_q_len=2)
+    for n in (2, 0):
+        batch = AttnBatch(ForwardMode.EXTEND, torch.tensor([row]), torch.tensor([n], dtype=torch.int32),
+                          pool.req_to_token[row, :n].long(), torch.tensor([0, n], dtype=torch.int32), n, False)
+        backend.init_forward_metadata(batch)
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):  # no dtype of the model is the cache's rows as stored
+            assert backend.kv_rows(0, batch, dtype, n, 2) is None
 
 
 def test_refused_passes_leave_the_cache_and_metadata_as_they_were():

@@ -211,13 +211,14 @@ class MLAttention(CheckpointViews, nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend, batch: AttnBatch) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``, this rank's heads' part of the output (the layer sums the
-        ranks'); the backend writes this layer's latent KV rows ``[T, 576]``."""
+        ranks'); this layer's latent KV rows ``[T, 576]`` go to the cache (the latents kernel where
+        the backend's kv_rows says, else the backend)."""
         cfg = self.cfg
         h, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
         qkv = gemv.linear(x, self.qkv_a)
         kv_rows = getattr(backend, "kv_rows", None) if self.writes_kv_rows else None
-        cache = kv_rows(self.kv_layer_id, batch, qkv.dtype) if kv_rows is not None else None
+        cache = kv_rows(self.kv_layer_id, batch, qkv.dtype, qkv.shape[0], h) if kv_rows is not None else None
         q_a, kv_new = ops.mla_latents(qkv, self.q_rank, q_norm, self.kv_a_layernorm.weight, LATENT_NORM_EPS, *rope,
                                       cfg.rope_interleave, cache)  # kv_new None: the rows are in the cache
         q = q_a if cfg.q_lora_rank is None else gemv.linear(q_a, self.q_b_proj.weight)
@@ -227,7 +228,7 @@ class MLAttention(CheckpointViews, nn.Module):
         out = self.attend(query, kv_new, backend, batch, x, q_a, rope)  # [T, H, 512]
         return gemv.linear(ops.mla_value(out.to(x.dtype), w_uv), self.o_proj.weight)  # [T, H * v] @ o_proj
 
-    def attend(self, query: torch.Tensor, kv_new: torch.Tensor, backend, batch: AttnBatch, x: torch.Tensor,
+    def attend(self, query: torch.Tensor, kv_new: Optional[torch.Tensor], backend, batch: AttnBatch, x: torch.Tensor,
                q_a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The backend call: query ``[T, H, 576]`` over every row it sees -> ``[T, H, 512]``. The
         extension point of sparse attention (deepseek_v32), which also reads the layer input x

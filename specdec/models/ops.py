@@ -201,8 +201,10 @@ def mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], 
     ``cache``: the kv rows go there instead, token t's to row ``slots[t]`` (and None comes back).
     """
     latent = qkv.shape[1] - q_rank - 64
-    if on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512 and (
-            cache is None or (cache[0].stride(1) == 1 and cache[0].dtype == qkv.dtype)):
+    if cache is not None and cache[0].dtype != qkv.dtype:
+        raise ValueError(f"mla_latents: the cache rows are {cache[0].dtype}, the projection {qkv.dtype}: a cache of "
+                         "another dtype takes kv rows through the backend's forward")
+    if on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512 and (cache is None or cache[0].stride(1) == 1):
         return triton_mla_latents(qkv, q_rank, q_norm, kv_norm, eps, cos, sin, interleave, cache)
     q, latent_part, rope = qkv.split([q_rank, latent, 64], dim=-1)
     if q_norm is not None:
@@ -221,14 +223,14 @@ def triton_mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Te
     ``cache`` rows of unit stride in qkv's dtype."""
     t = qkv.shape[0]
     if cache is not None and (tuple(cache[1].shape) != (t,) or cache[0].shape[1] != 576):
-        raise ValueError(f"mla_latents: cache rows [slots, 576] and slots [{t}], got {tuple(cache[0].shape)} and "
-                         f"{tuple(cache[1].shape)}")
+        raise ValueError(f"mla_latents: {t} tokens need cache rows [slots, 576] and a slot each, got rows "
+                         f"{tuple(cache[0].shape)} and slots {tuple(cache[1].shape)}")
     kv = qkv.new_empty(t, 576) if cache is None else cache[0]
     q = qkv.new_empty(t, q_rank) if q_norm is not None else qkv[:, :q_rank]
     if t:
         _mla_latents_kernel[(t,)](
             qkv, q, q_norm if q_norm is not None else kv_norm, kv_norm, kv, kv if cache is None else cache[1], cos, sin,
-            eps, q_rank, qkv.stride(0), kv.stride(0), HAS_Q_NORM=q_norm is not None,
+            eps, q_rank, qkv.stride(0), kv.stride(0), kv.shape[0], HAS_Q_NORM=q_norm is not None,
             Q_BLOCK=_pow2(q_rank) if q_norm is not None else 1, TO_SLOTS=cache is not None, LATENT=512, HALF=32,
             INTERLEAVE=interleave, num_warps=4)
     return q, (kv if cache is None else None)
@@ -236,9 +238,10 @@ def triton_mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Te
 
 @_jit
 def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_ptr, sin_ptr, eps, Q_RANK, stride_qkv,
-                        stride_kv, HAS_Q_NORM: tl.constexpr, Q_BLOCK: tl.constexpr, TO_SLOTS: tl.constexpr,
+                        stride_kv, KV_ROWS, HAS_Q_NORM: tl.constexpr, Q_BLOCK: tl.constexpr, TO_SLOTS: tl.constexpr,
                         LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """TO_SLOTS: token t's kv row goes to row slots[t] of kv (the cache), else to row t."""
+    """TO_SLOTS: token t's kv row goes to row slots[t] of kv (the cache; a slot outside its
+    KV_ROWS rows writes nothing), else to row t."""
     t = tl.program_id(0)
     row = qkv_ptr + t * stride_qkv
     if HAS_Q_NORM:
@@ -253,14 +256,15 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
     slot = t.to(tl.int64)
     if TO_SLOTS:
         slot = tl.load(slots_ptr + t).to(tl.int64)
+    inside = (slot >= 0) & (slot < KV_ROWS)
     out = kv_ptr + slot * stride_kv
-    tl.store(out + lat, _scaled(kvw_ptr + lat, normed, lat < LATENT, kv_ptr.dtype.element_ty))
+    tl.store(out + lat, _scaled(kvw_ptr + lat, normed, lat < LATENT, kv_ptr.dtype.element_ty), mask=inside)
     idx = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + t * HALF + idx)
     sin = tl.load(sin_ptr + t * HALF + idx)
     r1, r2 = _rope_pairs(row + Q_RANK + LATENT, cos, sin, HALF, INTERLEAVE)
-    tl.store(out + LATENT + idx, r1.to(kv_ptr.dtype.element_ty))
-    tl.store(out + LATENT + HALF + idx, r2.to(kv_ptr.dtype.element_ty))
+    tl.store(out + LATENT + idx, r1.to(kv_ptr.dtype.element_ty), mask=inside)
+    tl.store(out + LATENT + HALF + idx, r2.to(kv_ptr.dtype.element_ty), mask=inside)
 
 
 def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
