@@ -45,8 +45,14 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         _rms_norm_kernel[(rows,)](x, x if residual is None else residual, h, weight, out, eps, d,
                                   x.stride(0), 0 if residual is None else residual.stride(0),
-                                  HAS_RESIDUAL=residual is not None, BLOCK=_pow2(d), num_warps=8 if d >= 4096 else 4)
+                                  HAS_RESIDUAL=residual is not None, **_row_launch(d))
     return out, (x if residual is None else h)
+
+
+def _row_launch(d: int) -> dict:
+    """A row-norm program's tile and warps for rows of ``d``: rms_norm's and mtp_input's alike, so
+    both reduce a row in the same order."""
+    return {"BLOCK": _pow2(d), "num_warps": 8 if d >= 4096 else 4}
 
 
 def _torch_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,8 +115,7 @@ def triton_mtp_input(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tenso
     out = hidden.new_empty(t, 2 * d)
     if t:
         _mtp_input_kernel[(t,)](ids, table, hidden, e_weight, h_weight, out, table.shape[0], d, ids.stride(0),
-                                table.stride(0), hidden.stride(0), e_eps, h_eps, BLOCK=_pow2(d),
-                                num_warps=8 if d >= 4096 else 4)
+                                table.stride(0), hidden.stride(0), e_eps, h_eps, **_row_launch(d))
     return out
 
 
