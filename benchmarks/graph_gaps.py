@@ -21,46 +21,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.step_profile import kernel_spans, step_summary
+
 VARIANTS = ("plain", "keep", "pool", "event", "free")
 HIDDEN = 7168
 FIELDS = ("variant", "graph", "alive", "gap_us", "first_gap_us", "replay_us")
-
-
-def median_gap(spans: Sequence[tuple[float, float]]) -> float:
-    """The median time from a kernel's end to the next one's start, us, over ``spans`` (start,
-    end) in us, in any order; 0 for fewer than two kernels. E.g. (0, 10), (10.5, 20), (20.1, 30)
-    -> gaps 0.5 and 0.1 -> 0.3."""
-    ordered = sorted(spans)
-    gaps = [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
-    return statistics.median(gaps) if gaps else 0.0
-
-
-def last_replay(spans: Sequence[tuple[float, float]], reps: int) -> list[tuple[float, float]]:
-    """The last of ``reps`` replays' spans, ``spans`` sorted and holding every replay's kernels
-    alike; [] when there are fewer spans than replays (the profiler dropped some)."""
-    per = len(spans) // reps
-    return list(spans[len(spans) - per:]) if per else []
-
-
-def _kernel_spans(replay, reps: int = 3) -> list[tuple[float, float]]:
-    """The last of ``reps`` replays' kernel spans (torch.profiler, us)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            replay()
-            torch.cuda.synchronize()
-    return last_replay(sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                              if e.device_type == torch.autograd.DeviceType.CUDA), reps)
 
 
 def _replay_us(replay, reps: int = 20) -> float:
@@ -113,8 +83,8 @@ def run_variant(variant: str, graphs: int, layers: int) -> list[dict]:
             chain()
         alive.append(graph)
         replay_us = _replay_us(graph.replay)
-        gap = median_gap(_kernel_spans(graph.replay))
-        first = median_gap(_kernel_spans(alive[0].replay)) if alive[0] is not graph else gap
+        gap = step_summary(kernel_spans(graph.replay))["gap_us"]
+        first = step_summary(kernel_spans(alive[0].replay))["gap_us"] if alive[0] is not graph else gap
         rows.append({"variant": variant, "graph": i, "alive": len(alive), "gap_us": round(gap, 3),
                      "first_gap_us": round(first, 3), "replay_us": round(replay_us, 1)})
     return rows

@@ -40,8 +40,16 @@ def step_summary(spans: Sequence[tuple[str, float, float]]) -> dict:
             "names": {n: (len(d), sum(d)) for n, d in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))}}
 
 
-def profile_step(step: Callable[[], object], reps: int = 3) -> list[tuple[str, float, float]]:
-    """The last of ``reps`` calls' kernels (name, start, end in us), after three unprofiled calls."""
+def last_replay(spans: Sequence[tuple], reps: int) -> list[tuple]:
+    """The last of ``reps`` replays' kernels: the final share of ``spans`` (sorted, every replay's
+    kernels alike); [] when there are fewer spans than replays (the profiler dropped some)."""
+    per = len(spans) // reps
+    return list(spans[len(spans) - per:]) if per else []
+
+
+def kernel_spans(step: Callable[[], object], reps: int = 3) -> list[tuple[str, float, float]]:
+    """The last of ``reps`` calls' kernels (name, start, end in us) under torch.profiler, after
+    three unprofiled calls."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -52,10 +60,8 @@ def profile_step(step: Callable[[], object], reps: int = 3) -> list[tuple[str, f
         for _ in range(reps):
             step()
             torch.cuda.synchronize()
-    events = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda s: s[1])
-    per = len(events) // reps
-    return events[len(events) - per:] if per else []
+    return last_replay(sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                               if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda s: s[1]), reps)
 
 
 def build(args: argparse.Namespace):
@@ -93,7 +99,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
         decoder = GreedyDecoder(target, prompts, 64, backend=args.backend, page_size=64, cuda_graph=True)
         decoder.step()
         decoder.step()  # captures the step
-        out["target"] = step_summary(profile_step(decoder.step))
+        out["target"] = step_summary(kernel_spans(decoder.step))
         del decoder
         cfg = SpecConfig(num_steps=3, topk=1, attention_backend=args.backend, kv_dtype="bf16", page_size=64,
                          max_batch_size=args.batch, max_context_len=2048, cuda_graph_batch_sizes=[args.batch])
@@ -101,7 +107,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
         worker.add_requests(prompts, max_new_tokens=200)
         worker.step()
         worker.capture_graphs([args.batch], progress=False)
-        out["spec"] = step_summary(profile_step(lambda: worker.finish_step(worker.launch_step())))
+        out["spec"] = step_summary(kernel_spans(lambda: worker.finish_step(worker.launch_step())))
     return out
 
 

@@ -20,6 +20,12 @@ def test_step_summary_counts_spans_and_gaps():
     assert step_profile.step_summary([])["kernels"] == 0
 
 
+def test_last_replay_takes_the_final_share_of_the_spans():
+    spans = [("k", float(i), i + 0.5) for i in range(9)]  # 3 replays of 3 kernels
+    assert step_profile.last_replay(spans, 3) == spans[6:]
+    assert step_profile.last_replay(spans[:2], 3) == []  # fewer spans than replays: none to trust
+
+
 def test_flags_are_checked():
     assert step_profile.parse_args(["--model", "dense", "--layers", "4"]).layers == 4
     for bad in (["--model", "large"], ["--batch", "0"]):
