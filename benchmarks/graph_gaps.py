@@ -19,13 +19,13 @@ first graph's gap again. Prints a table, writes CSV and a PNG.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.spec_step import write_table
 from benchmarks.step_profile import kernel_spans, step_summary
 
 VARIANTS = ("plain", "keep", "pool", "event", "free")
@@ -112,15 +112,10 @@ def _in_child(variant: str, graphs: int, layers: int) -> list[dict]:
 
 
 def report(rows: list[dict], out: Path) -> None:
-    """Print the table; write ``out`` with .csv, and the PNG where matplotlib is installed."""
-    print(" ".join(f"{f:>13}" for f in FIELDS))
-    for r in rows:
-        print(" ".join(f"{r[f]!s:>13}" for f in FIELDS))
+    """Print the table and write ``out`` with .csv (spec_step.write_table); the PNG where matplotlib
+    is installed."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_table(rows, str(out))
     print(f"wrote {out.with_suffix('.csv')}")
     try:
         import matplotlib

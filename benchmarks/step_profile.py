@@ -14,12 +14,13 @@ writes the kernels as CSV and the top of each step kind as a PNG.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
+
+from benchmarks.spec_step import write_table
 
 KINDS = ("target", "spec")
 TOP = 12  # kernel names a step kind's plot shows
@@ -112,19 +113,16 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def report(results: dict[str, dict], out: Path, title: str) -> None:
-    """Print each step kind's summary and kernels; write the kernels as CSV and the top as a PNG."""
+    """Print each step kind's summary, then its kernels as a table and CSV (spec_step.write_table);
+    the top of each as a PNG."""
     rows = []
     for kind, r in results.items():
         print(f"{kind}: {r['kernels']} kernels a step, span {r['span_us']:.0f} us, busy {r['busy_us']:.0f} us, "
               f"median gap {r['gap_us']:.2f} us")
-        for name, (count, us) in r["names"].items():
-            print(f"  {us:9.1f} us {count:5d}x {us / count:7.2f}  {name[:100]}")
-            rows.append({"kind": kind, "kernel": name, "count": count, "us": round(us, 2)})
+        rows += [{"kind": kind, "kernel": name, "count": count, "us": round(us, 2)}
+                 for name, (count, us) in r["names"].items()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=("kind", "kernel", "count", "us"))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_table(rows, str(out))  # the kernels, as a table and CSV
     print(f"wrote {out.with_suffix('.csv')}")
     try:
         import matplotlib
