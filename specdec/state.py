@@ -12,6 +12,8 @@ import torch
 
 from specdec.batch import host_to_device
 from specdec.sampling import SamplingParams
+from specdec.step_kernels import rows_to_host
+from specdec.triton_lang import on_triton
 
 
 def last_step_n(prompt_len: int, max_new_tokens: int) -> int:
@@ -163,8 +165,12 @@ class HostCopy:
 
     def enqueue(self, t: torch.Tensor) -> None:
         """Copy t ``[b, *shape[1:]]`` int64 (b <= shape[0]) into the buffer's first b rows, in
-        stream order, and record the event after it."""
-        self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
+        stream order, and record the event after it. Rows of a CUDA tensor ``[b, w]`` are
+        written by a kernel (step_kernels.rows_to_host), not a copy-engine transfer."""
+        if self.on_cuda and on_triton(t) and t.dim() == 2 and t.stride(1) == 1:
+            rows_to_host(t, self.buffer)
+        else:
+            self.buffer[: t.shape[0]].copy_(t, non_blocking=self.on_cuda)
         if self.on_cuda:
             self.event.record()
 

@@ -2,7 +2,8 @@
 
 Why: each is a handful of index ops over ``[B]`` or ``[B, num_steps + 1]`` values, and as torch ops
 each was its own launch (about 1.5 us each on an H200, ~45 of a step's launches). The torch path is
-the same arithmetic, what CPU runs and what the GPU tests compare to.
+the same arithmetic, what CPU runs and what the GPU tests compare to. rows_to_host replaces a
+copy-engine node in a graphed step, which costs the step more than a one-block kernel.
 """
 
 from __future__ import annotations
@@ -105,3 +106,28 @@ def _chain_report_kernel(tokens_ptr, pred_ptr, lens_ptr, limit_ptr, eos_ptr, rep
     tl.store(out + WIDTH + 1, take)
     tl.store(out + WIDTH + 2, done)
     tl.store(path_ptr + b * WIDTH + i, tl.minimum(i.to(tl.int64), accept_len), mask=col)
+
+
+# ------------------------------------------------------------------ rows to pinned host memory
+def rows_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Write src ``[b, w]`` int64 (rows of unit stride) into the first b rows of dst ``[>= b, w]``
+    int64 (contiguous) with one kernel: dst may be pinned host memory, which a CUDA kernel writes
+    through its unified address. Stream-ordered as a copy would be; the host reads dst after an
+    event recorded behind it. E.g. src [[5, 6, -1, 1]] on the GPU -> dst[0] = [5, 6, -1, 1]."""
+    rows, width = src.shape
+    if dst.dim() != 2 or dst.shape[0] < rows or dst.shape[1] != width or not dst.is_contiguous():
+        raise ValueError(f"rows_to_host: dst {tuple(dst.shape)} must be contiguous with >= {rows} rows of {width}")
+    if src.dtype != torch.long or dst.dtype != torch.long or (rows and src.stride(1) != 1):
+        raise ValueError(f"rows_to_host takes int64 rows of unit stride, got {src.dtype} -> {dst.dtype}, "
+                         f"strides {src.stride()}")
+    if rows:
+        _rows_to_host_kernel[(rows,)](src, dst, src.stride(0), width, W_PAD=triton.next_power_of_2(width),
+                                      num_warps=1)
+
+
+@_jit
+def _rows_to_host_kernel(src_ptr, dst_ptr, stride_src, WIDTH, W_PAD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, W_PAD)
+    col = i < WIDTH
+    tl.store(dst_ptr + b * WIDTH + i, tl.load(src_ptr + b * stride_src + i, mask=col), mask=col)

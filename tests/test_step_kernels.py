@@ -1,6 +1,6 @@
 """specdec.step_kernels: each kernel against the torch path it replaces (pass_slots: the index
-ops of a uniform pass; chain_report: chain_accept, stop_at_limits and StepReport.pack), under
-Triton's interpreter on the CPU and on a GPU."""
+ops of a uniform pass; chain_report: chain_accept, stop_at_limits and StepReport.pack;
+rows_to_host: a copy into pinned memory), under Triton's interpreter on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -54,6 +54,20 @@ def check_all(device):
     got, report = step_kernels.chain_report(*(torch.tensor(v, device=device) for v in (
         [[4, 5, 6, 9]], [[5, 6, 7, 8]], [10], [100], [-1])))  # chain_report's docstring example
     assert report.tolist() == [[5, 6, 7, -1, 2, 3, 0]] and got.bonus.tolist() == [7]
+    check_rows_to_host(device)
+
+
+def check_rows_to_host(device):
+    # rows of a wider tensor (row stride > width) land in the first rows of a pinned host buffer,
+    # the rest of it untouched
+    wide = torch.arange(3 * 11, dtype=torch.long, device=device).view(3, 11) - 7
+    dst = torch.full((5, 6), 99, dtype=torch.long, pin_memory=device == "cuda")
+    step_kernels.rows_to_host(wide[:, 2:8], dst)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst[:3], wide[:, 2:8].cpu()) and (dst[3:] == 99).all()
+    step_kernels.rows_to_host(wide[:0, :6], dst)  # no rows: nothing written, no launch
+    assert torch.equal(dst[:3], wide[:, 2:8].cpu())
 """
 
 
@@ -79,3 +93,15 @@ def test_worked_example():
     r2t = torch.arange(40, dtype=torch.int32).view(2, 20)
     loc, seq = step_kernels.pass_slots(r2t, torch.tensor([1]), torch.tensor([7]), 1, 2)
     assert loc.tolist() == [28, 29] and seq.tolist() == [10]
+
+
+def test_rows_to_host_refuses_what_it_cannot_write():
+    from specdec import step_kernels
+
+    src = torch.zeros(2, 4, dtype=torch.long)
+    for dst, what in ((torch.zeros(1, 4, dtype=torch.long), "rows"), (torch.zeros(2, 5, dtype=torch.long), "width"),
+                      (torch.zeros(4, 2, dtype=torch.long).t(), "contiguous"), (torch.zeros(2, 4), "dtype")):
+        with pytest.raises(ValueError, match="rows_to_host"):
+            step_kernels.rows_to_host(src, dst)
+    with pytest.raises(ValueError, match="unit stride"):
+        step_kernels.rows_to_host(torch.zeros(4, 2, dtype=torch.long).t(), torch.zeros(2, 4, dtype=torch.long))
