@@ -309,8 +309,9 @@ class AttentionBackend(Protocol):
         instead of every visible row: the slots decide visibility, batch.custom_mask is not read."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the static metadata buffers graphs capture against (largest sizes). From then
-        on init_forward_metadata writes into them, so it is captured with the pass it serves."""
+        """Before the first capture: allocate whatever static buffers graphs capture against
+        (largest sizes), if the backend has any; init_forward_metadata is captured with the pass
+        it serves either way."""
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, seq_lens: torch.Tensor, q_len: int) -> None:
         """Before a capture or replay of a pass over ``bs`` requests: host planning from host kv

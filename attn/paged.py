@@ -41,17 +41,6 @@ class PagedMetadata:
     max_seq_len: int
 
 
-@dataclass
-class GraphBuffers:
-    """The static inputs a captured pass reads, sized for max_batch_size (graph captures, and eager
-    passes above the largest bucket): block_tables ``[max_bs, max_pages]`` int32, seq_lens
-    ``[max_bs]`` int32, cu_seqlens_q ``[max_bs + 1]`` int32."""
-
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-
-
 class PagedMLABackend:
     """Paged MLA attention over a shared ``[num_pages, page_size, 576]`` pool per layer.
 
@@ -127,7 +116,6 @@ class PagedMLABackend:
         self.max_batch_size = max_batch_size
         self.max_q_len = max_q_len
         self.metadata: Optional[PagedMetadata] = None
-        self._graph_buffers: Optional[GraphBuffers] = None
         self.tree_mask: Optional[torch.Tensor] = None
         if self.supports_tree_mask and max_mask_len > 0:
             self.tree_mask = torch.zeros(max_batch_size, max_q_len, max_mask_len, dtype=torch.bool, device=kv.device)
@@ -153,12 +141,12 @@ class PagedMLABackend:
 
     # ----------------------------------------------------------------- metadata
     def init_forward_metadata(self, batch: AttnBatch, shared_block_tables: Optional[torch.Tensor] = None) -> None:
-        """Block tables from ``req_to_token`` on the device; into the static buffers if any.
+        """Block tables from ``req_to_token`` on the device, eager or inside a captured graph alike.
 
         shared_block_tables: ``[B, max_pages]`` int32 built by another backend over the same
         requests (the multi-step draft's steps share one table); used as is, not copied.
-        Eager (no graph buffers), contiguous int32 ``seq_lens`` and ``cu_seqlens_q`` are used as
-        they are, not copied: change them only for the next pass. A refused call leaves no
+        Contiguous int32 ``seq_lens`` and ``cu_seqlens_q`` are used as they are, not copied:
+        change them only for the next pass. A refused call leaves no
         metadata, so a forward then raises instead of running on the previous pass's.
         """
         self.metadata = None
@@ -167,9 +155,6 @@ class PagedMLABackend:
         if bs > self.max_batch_size or shapes != ((bs,), (bs,), (bs + 1,)):
             raise ValueError(f"{self.name}: a batch of {bs} (at most max_batch_size={self.max_batch_size}) needs "
                              f"req_pool_indices and seq_lens [{bs}] and cu_seqlens_q [{bs + 1}], got {shapes}")
-        if self._graph_buffers is not None and bs > self._graph_buffers.seq_lens.shape[0]:
-            raise ValueError(f"{self.name}: a batch of {bs} is more than the graph buffers hold "
-                             f"({self._graph_buffers.seq_lens.shape[0]}); call init_cuda_graph_state with max_bs >= {bs}")
         if batch.max_kv_len is not None and not (is_int(batch.max_kv_len) and batch.max_kv_len >= 1):
             raise ValueError(f"{self.name}: max_kv_len must be None or an int >= 1, got {batch.max_kv_len!r}")
         if shared_block_tables is not None and (tuple(shared_block_tables.shape) != (bs, self.max_pages)
@@ -182,30 +167,14 @@ class PagedMLABackend:
         max_seq_len = self.max_pages * self.page_size
         if batch.max_kv_len is not None:
             max_seq_len = min(batch.max_kv_len, max_seq_len)
-        if self._graph_buffers is None:
-            # Kernels take contiguous metadata; a strided view (a column of an engine's table) is copied.
-            self.metadata = PagedMetadata(tables, batch.seq_lens.int().contiguous(),
-                                          batch.cu_seqlens_q.int().contiguous(), max_seq_len)
-            return
-        static = self._graph_buffers
-        if shared_block_tables is None:
-            static.block_tables[:bs].copy_(tables)
-            tables = static.block_tables[:bs]
-        static.seq_lens[:bs].copy_(batch.seq_lens)
-        static.cu_seqlens_q[: bs + 1].copy_(batch.cu_seqlens_q)
-        self.metadata = PagedMetadata(tables, static.seq_lens[:bs], static.cu_seqlens_q[: bs + 1], max_seq_len)
+        # Kernels take contiguous metadata; a strided view (a column of an engine's table) is copied.
+        self.metadata = PagedMetadata(tables, batch.seq_lens.int().contiguous(), batch.cu_seqlens_q.int().contiguous(),
+                                      max_seq_len)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Buffers already large enough stay: graphs another runner captured against them keep
-        reading live memory."""
-        if self._graph_buffers is not None and self._graph_buffers.seq_lens.shape[0] >= max_bs:
-            return
-        device = self.kv.device
-        self._graph_buffers = GraphBuffers(
-            block_tables=torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device),
-            seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
-        )
+        """Nothing to allocate: a captured pass builds its metadata on the device inside the graph,
+        whose memory pool keeps those tensors where every replay reads them; copies into static
+        buffers would only add a node each."""
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, seq_lens: torch.Tensor, q_len: int) -> None:
         """Nothing to plan on the host: the metadata is built on the device inside the graph."""

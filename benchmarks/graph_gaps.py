@@ -3,15 +3,17 @@ as a process captures more graphs (GPU). docs/benchmarks.md ("Launch gaps in CUD
 what it showed on an H200: a process's first graphs replay with ~0 us between kernels, and from
 about the fourth on every graph, the first included, with ~0.4 us; a spec step runs in that state.
 
-    python -m benchmarks.graph_gaps [--graphs 8] [--layers 20] [--variants plain,keep,pool,event,free]
+    python -m benchmarks.graph_gaps [--graphs 8] [--layers 20] [--variants plain,keep,pool,event,write,free,small]
                                     [--out benchmarks/results/graph_gaps.png]
 
 Each graph replays ``layers`` GEMV + RMS-norm pairs of the rank slice's hidden size (7168). The
 variants test what could switch the state, each in a process of its own: ``plain`` (torch's
 defaults), ``keep`` (keep_graph=True, instantiated on first replay; GraphRunner's graphs keep
 theirs for the joined graph), ``pool`` (every capture in one memory pool, as GraphRunner's),
-``event`` (mid-graph, a copy to pinned memory and an external event record: the step's host
-copy), ``free`` (each graph freed before the next is captured; the others keep every graph).
+``event`` (mid-graph, a copy to pinned memory and an external event record: the step's host copy
+before), ``write`` (the same with a kernel writing the pinned memory: HostCopy's now), ``free``
+(each graph freed before the next is captured; the others keep every graph), ``small`` (three
+one-kernel graphs captured first).
 Rows: the newest graph's replay time (taken before any profiling of it), its median gap, and the
 first graph's gap again. Prints a table, writes CSV and a PNG.
 """
@@ -28,7 +30,7 @@ from typing import Sequence
 from benchmarks.spec_step import write_table
 from benchmarks.step_profile import kernel_spans, step_summary
 
-VARIANTS = ("plain", "keep", "pool", "event", "free")
+VARIANTS = ("plain", "keep", "pool", "event", "write", "free", "small")
 HIDDEN = 7168
 FIELDS = ("variant", "graph", "alive", "gap_us", "first_gap_us", "replay_us")
 
@@ -52,26 +54,35 @@ def run_variant(variant: str, graphs: int, layers: int) -> list[dict]:
     import torch
 
     from specdec.models import gemv, ops
+    from specdec.step_kernels import rows_to_host
 
     x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5
     norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
     event = torch.cuda.Event(external=True)
-    pinned = torch.empty(8, dtype=torch.long, pin_memory=True)
-    report = torch.zeros(8, dtype=torch.long, device="cuda")
+    pinned = torch.empty(1, 8, dtype=torch.long, pin_memory=True)
+    report = torch.zeros(1, 8, dtype=torch.long, device="cuda")
 
     def chain() -> torch.Tensor:
         h = x
         for i in range(layers):
             h = ops.rms_norm(gemv.linear(h, w), norm, 1e-6)[0]
-            if variant == "event" and i == layers // 2:
-                pinned.copy_(report, non_blocking=True)
+            if variant in ("event", "write") and i == layers // 2:
+                if variant == "event":
+                    pinned.copy_(report, non_blocking=True)
+                else:
+                    rows_to_host(report, pinned)
                 event.record()
         return h
 
     chain()
     torch.cuda.synchronize()
     pool = torch.cuda.graph_pool_handle() if variant == "pool" else None
+    small = []
+    for _ in range(3 if variant == "small" else 0):
+        small.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(small[-1]):
+            x.add_(0)
     alive, rows = [], []
     for i in range(graphs):
         if variant == "free" and alive:

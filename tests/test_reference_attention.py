@@ -82,37 +82,6 @@ def test_padding_rows_past_the_last_request_are_left_alone():
         assert torch.equal(out[3:], torch.full((2, 2, 512), 7.0))
 
 
-def test_graph_state_keeps_buffers_that_are_large_enough():
-    """A second runner's init_cuda_graph_state must not free what the first one's graphs read."""
-    pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
-    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=4, max_q_len=2)
-    backend.init_cuda_graph_state(4, 8)
-    buffers = backend._graph_buffers
-    backend.init_cuda_graph_state(4, 8)
-    assert backend._graph_buffers is buffers
-
-
-def test_a_batch_past_the_graph_buffers_is_refused_clearly():
-    """Graph buffers for fewer requests than max_batch_size: a larger eager batch is refused at
-    init_forward_metadata, naming the call to make (not a shape mismatch in a copy), and leaves no
-    metadata."""
-    pool = MLAKVPool(1, 16, 4, 4, 16, torch.float32)
-    rows = [pool.alloc_request() for _ in range(3)]
-    pool.ensure_capacity_many(rows, [8] * 3)
-    backend = TorchRefBackend(pool.view(), LayerSpec(num_heads=2, sm_scale=0.3), max_batch_size=4, max_q_len=1)
-    backend.init_cuda_graph_state(2, 2)
-    seq = torch.full((3,), 6, dtype=torch.int32)
-    batch = AttnBatch(ForwardMode.DECODE, torch.tensor(rows), seq, pool.req_to_token[rows, 5].long(),
-                      torch.arange(4, dtype=torch.int32), 1, True)
-    with pytest.raises(ValueError, match="a batch of 3 is more than the graph buffers hold \\(2\\); call "
-                                         "init_cuda_graph_state with max_bs >= 3"):
-        backend.init_forward_metadata(batch)
-    assert backend.metadata is None
-    backend.init_cuda_graph_state(4, 4)
-    backend.init_forward_metadata(batch)
-    assert backend.metadata.seq_lens.tolist() == [6, 6, 6]
-
-
 def test_backend_writes_kv_then_attends():
     pool = MLAKVPool(1, 8, 4, 2, 16, torch.float32)
     row = pool.alloc_request()
