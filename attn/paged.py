@@ -146,8 +146,8 @@ class PagedMLABackend:
         shared_block_tables: ``[B, max_pages]`` int32 built by another backend over the same
         requests (the multi-step draft's steps share one table); used as is, not copied.
         Contiguous int32 ``seq_lens`` and ``cu_seqlens_q`` are used as they are, not copied:
-        change them only for the next pass. A refused call leaves no
-        metadata, so a forward then raises instead of running on the previous pass's.
+        change them only for the next pass. A refused call leaves no metadata, so a forward then
+        raises instead of running on the previous pass's.
         """
         self.metadata = None
         bs = batch.batch_size
