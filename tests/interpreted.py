@@ -1,5 +1,6 @@
 """Run a script under Triton's interpreter on the CPU, in a subprocess (the interpreter is
-chosen when kernels are decorated, so it cannot be switched on inside the test process)."""
+chosen when kernels are decorated, so it cannot be switched on inside the test process); or the
+same script here, on the GPU (run_on_gpu)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ def run_interpreted(script: str) -> None:
     result = subprocess.run([sys.executable, "-c", _PRELUDE + script], cwd=root, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def run_on_gpu(script: str, call: str) -> None:
+    """run_interpreted's twin for the GPU tests: define ``script`` in this process, then evaluate
+    ``call`` in it (e.g. ``"check_all('cuda')"``). Skips without Triton (the gpu marker skips
+    without CUDA)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    scope: dict = {}
+    exec(script, scope)
+    eval(call, scope)

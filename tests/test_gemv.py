@@ -4,9 +4,8 @@ the torch steps, under Triton's interpreter on the CPU and on a GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from interpreted import run_interpreted
+from interpreted import run_interpreted, run_on_gpu
 
 _CHECKS = """
 import torch
@@ -50,7 +49,4 @@ def test_gemv_under_triton_interpreter():
 
 @pytest.mark.gpu
 def test_gemv_on_gpu():
-    pytest.importorskip("triton")
-    scope: dict = {}
-    exec(_CHECKS, scope)
-    scope["check_all"]("cuda", (torch.bfloat16, torch.float16))
+    run_on_gpu(_CHECKS, 'check_all("cuda", (torch.bfloat16, torch.float16))')

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import run_interpreted, run_on_gpu
 from specdec.models import ops
 
 _CHECKS = """
@@ -105,10 +105,7 @@ def test_kernels_under_triton_interpreter():
 
 @pytest.mark.gpu
 def test_kernels_on_gpu():
-    pytest.importorskip("triton")
-    scope: dict = {}
-    exec(_CHECKS, scope)
-    scope["check_all"]("cuda", (torch.float32, torch.bfloat16, torch.float16))
+    run_on_gpu(_CHECKS, 'check_all("cuda", (torch.float32, torch.bfloat16, torch.float16))')
 
 
 def test_rope_interleaved_pairs_rotate_as_complex_numbers():

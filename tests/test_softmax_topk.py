@@ -4,9 +4,8 @@ rows with ties, infinities, NaN and tiny temperatures, under Triton's interprete
 from __future__ import annotations
 
 import pytest
-import torch
 
-from interpreted import run_interpreted
+from interpreted import run_interpreted, run_on_gpu
 
 _CHECKS = """
 import torch
@@ -56,10 +55,5 @@ def test_kernel_under_triton_interpreter():
 
 @pytest.mark.gpu
 def test_kernel_on_gpu():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    scope: dict = {}
-    exec(_CHECKS, scope)
-    scope["check_all"]("cuda", ((5, 2), (256, 1), (256, 4), (16160, 1), (16160, 4), (129280, 8), (4096, 16)))
+    run_on_gpu(_CHECKS, 'check_all("cuda", ((5, 2), (256, 1), (256, 4), (16160, 1), (16160, 4), (129280, 8), (4096, 16)))')
 

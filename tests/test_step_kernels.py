@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import run_interpreted, run_on_gpu
 
 _CHECKS = """
 import torch
@@ -78,12 +78,7 @@ def test_kernels_under_triton_interpreter():
 
 @pytest.mark.gpu
 def test_kernels_on_gpu():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    scope: dict = {}
-    exec(_CHECKS, scope)
-    scope["check_all"]("cuda")
+    run_on_gpu(_CHECKS, 'check_all("cuda")')
 
 
 def test_worked_example():
