@@ -15,6 +15,7 @@ import torch
 
 from attn.base import (KV_DIM, KV_DTYPES, KV_LORA_RANK, AttnBatch, ForwardMode, KVCacheView, LayerSpec, const_arange,
                        encode_kv)
+from attn.kernels.block_tables import block_tables
 from attn.values import is_int
 from attn.workspace import get_workspace
 
@@ -163,7 +164,7 @@ class PagedMLABackend:
                              f"requests), got {tuple(shared_block_tables.shape)} {shared_block_tables.dtype}")
         tables = shared_block_tables
         if tables is None:
-            tables = (self.kv.req_to_token[batch.req_pool_indices][:, :: self.page_size] // self.page_size).int()
+            tables = block_tables(self.kv.req_to_token, batch.req_pool_indices, self.page_size)
         max_seq_len = self.max_pages * self.page_size
         if batch.max_kv_len is not None:
             max_seq_len = min(batch.max_kv_len, max_seq_len)
