@@ -8,16 +8,9 @@ compare to.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the torch path serves
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
+from attn.kernels.triton_lang import jit as _jit, tl, triton
 
 BLOCK_PAGES = 256  # page columns a program writes
 
@@ -41,10 +34,6 @@ def triton_block_tables(req_to_token: torch.Tensor, rows: torch.Tensor, page_siz
         _block_tables_kernel[(rows.shape[0], triton.cdiv(pages, block))](
             req_to_token, rows, out, req_to_token.stride(0), pages, PAGE_SIZE=page_size, BLOCK=block, num_warps=1)
     return out
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit

@@ -19,16 +19,10 @@ static.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the geometry and layout checks still work
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
+from attn.kernels.triton_lang import tl, triton
 
 MAX_WORKS = 16384  # scheduler.cuh: capacity of each per-work array in the int workspace
 CTA_TILE_Q = 64  # packed (token, head) query rows per CTA

@@ -2,18 +2,7 @@
 rows) and which kv rows each of its query rows sees, shared by the Triton and the Gluon kernels
 (plain Triton helpers: the Gluon kernel calls them on tensors that carry its layouts)."""
 
-from types import SimpleNamespace
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the signature below still has to be defined
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+from attn.kernels.triton_lang import jit as _jit, tl
 
 
 @_jit

@@ -14,8 +14,6 @@ The module imports without Triton (CPU-only installs): planning and input checks
 """
 
 import functools
-from types import SimpleNamespace
-
 import torch
 
 from attn.base import KV_DIM, KV_LORA_RANK, QK_ROPE_DIM
@@ -35,21 +33,12 @@ from attn.kernels.triton_mla.plan import (
     plan_bounds,
     plan_launch,
 )
+from attn.kernels.triton_lang import jit as _jit, tl, triton
 from attn.kernels.triton_mla.tma import row_descriptors
 from attn.values import is_int, is_positive_finite
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the kernel signatures below still have to be defined
-    triton = None
-    tl = SimpleNamespace(constexpr=None)
 
 _LOG2E = 1.4426950408889634
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit
