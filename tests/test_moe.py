@@ -281,12 +281,42 @@ for experts, groups, kept, top_k, norm in ROUTER_CONFIGS:
                 bias = bias[:experts // groups].repeat(groups)
             logits = router_logits(kind, 5, experts, groups, gen)
             want_weights, want_ids = route(logits, bias, cfg)
-            weights, ids = triton_route(logits, bias, cfg)
-            assert torch.equal(ids, want_ids), (experts, kind, ids, want_ids)
-            torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+            zeros = torch.zeros_like(logits)
+            for given in (logits, torch.stack([zeros, logits, zeros])):  # partial sums: exactly the logits
+                weights, ids = triton_route(given, bias, cfg)
+                assert torch.equal(ids, want_ids), (experts, kind, ids, want_ids)
+                torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
 weights, ids = triton_route(torch.zeros(0, 8), torch.zeros(8), DeepseekV3Config(n_routed_experts=8, n_group=4,
                             topk_group=2, num_experts_per_tok=2))
 assert weights.shape == ids.shape == (0, 2)
+print("ok")
+""")
+
+
+def test_router_gemm_under_triton_interpreter():
+    """router_logits' partial sums add up to the fp32 GEMM, over D below, at and past its chunks,
+    at T past a tile; the logits of a token do not depend on the other tokens; bad shapes refused."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+import pytest, torch
+import torch.nn.functional as F
+from specdec.models.moe_kernels import ROUTER_CHUNK, router_logits
+
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for tokens, experts, hidden in ((1, 8, 72), (5, 64, ROUTER_CHUNK), (20, 12, 2 * ROUTER_CHUNK + 40), (0, 8, 64)):
+        x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+        w = torch.randn(experts, hidden, generator=gen).to(dtype)
+        partial = router_logits(x, w)
+        assert partial.shape == (-(-hidden // ROUTER_CHUNK), tokens, experts) and partial.dtype == torch.float32
+        want = F.linear(x.float(), w.float())
+        torch.testing.assert_close(partial.sum(0), want, rtol=1e-5, atol=1e-5 * hidden ** 0.5)
+        if tokens > 1:
+            assert torch.equal(router_logits(x[1:2], w), partial[:, 1:2])
+for x, w in ((torch.zeros(2, 64), torch.zeros(8, 32)), (torch.zeros(2, 64), torch.zeros(8, 64).bfloat16()),
+             (torch.zeros(64, 2).t(), torch.zeros(8, 64))):
+    with pytest.raises(ValueError, match="router"):
+        router_logits(x, w)
 print("ok")
 """)
 
@@ -414,7 +444,7 @@ print("ok")
 
 H200_SHARED_MEMORY = 232448  # bytes a block may use on SM90
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64"}
-KERNELS = ("_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel")
+KERNELS = ("_router_kernel", "_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel")
 
 
 def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter):
@@ -435,14 +465,16 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter)
     for name in KERNELS:
         monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name)))
     cfg = DeepseekV3Config(n_routed_experts=experts, n_group=8, topk_group=4, num_experts_per_tok=top_k)
-    moe_kernels.triton_route(torch.empty(tokens, experts), torch.empty(experts), cfg)
+    x = torch.empty(tokens, hidden, dtype=dtype)
+    moe_kernels.triton_route(moe_kernels.router_logits(x, torch.empty(experts, hidden, dtype=dtype)),
+                             torch.empty(experts), cfg)
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(0))
     tiles = tiles_for(ids.numel(), experts, hidden, inter, dtype)
     layout = (moe_kernels.triton_sort_into_blocks if ids.numel() <= moe_kernels.LAYOUT_MAX_PAIRS
               else moe_kernels.sort_into_blocks)
     gate_up = torch.empty(1, 1, hidden, dtype=dtype).expand(experts, 2 * inter, hidden)
     down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, hidden, inter)
-    per_pair = moe_kernels.grouped_experts(torch.empty(tokens, hidden, dtype=dtype), gate_up, down,
+    per_pair = moe_kernels.grouped_experts(x, gate_up, down,
                                            torch.rand(tokens, top_k), layout(ids, experts, tiles.block_m), tiles)
     moe_kernels.triton_combine(per_pair.view(tokens, top_k, hidden), torch.empty(tokens, hidden, dtype=dtype))
     return launches
@@ -522,6 +554,7 @@ def test_triton_path_on_gpu(monkeypatch, dtype):
 def test_kernels_match_the_torch_path_on_gpu():
     """On the GPU, each new kernel against the torch path's ops on the same CUDA inputs: the
     router's choice and the layout exactly, the combine bit for bit (the GPU rounds as torch)."""
+    from specdec.models.moe_kernels import router_logits as router_gemm
     from specdec.models.moe_kernels import triton_combine, triton_route, triton_sort_into_blocks
 
     gen = torch.Generator().manual_seed(0)
@@ -540,6 +573,10 @@ def test_kernels_match_the_torch_path_on_gpu():
         want, got = sort_into_blocks(ids, experts, block_m), triton_sort_into_blocks(ids, experts, block_m)
         for field in ("row_pair", "block_expert", "pair_row"):
             assert torch.equal(getattr(got, field), getattr(want, field)), (tokens, top_k, experts, field)
+    for tokens in (1, 64):
+        x = torch.randn(tokens, 7168, generator=gen).to("cuda", torch.bfloat16)
+        w = torch.randn(64, 7168, generator=gen).to("cuda", torch.bfloat16)
+        torch.testing.assert_close(router_gemm(x, w).sum(0), F.linear(x.float(), w.float()), rtol=1e-5, atol=1e-3)
     per_pair = torch.randn(64, 8, 7168, generator=gen).cuda()
     shared = torch.randn(64, 7168, generator=gen).to("cuda", torch.bfloat16)
     routed = per_pair[:, 0].clone()

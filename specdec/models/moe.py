@@ -4,8 +4,8 @@ A routed expert runs only on the tokens that chose it: the (token, expert) pairs
 per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts run as one grouped
 GEMM over those blocks.
 
-A bf16 decode MoE layer's Triton path launches 11 kernels: the router's two fp32 casts and GEMM,
-its choice, the layout, the grouped GEMM's two, the combine, and the shared expert's three.
+A bf16 decode MoE layer's Triton path launches 8 kernels: the router's GEMM and its choice, the
+layout, the grouped GEMM's two, the combine, and the shared expert's two.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
-from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, sort_into_blocks, tiles_for, triton_combine,
-                                        triton_route, triton_sort_into_blocks)
+from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, router_logits, sort_into_blocks, tiles_for,
+                                        triton_combine, triton_route, triton_sort_into_blocks)
 from specdec.models.packing import CheckpointViews, row_views
 
 
@@ -51,10 +51,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64): :func:`route` of
-        the fp32 logits, by moe_kernels.triton_route on the Triton path."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        choose = triton_route if ops.on_triton(x, self.weight) else route
-        return choose(logits, self.e_score_correction_bias, self.cfg)
+        the fp32 logits; on the Triton path the logits' partial sums (moe_kernels.router_logits,
+        no fp32 copy of x or the weight) go to moe_kernels.triton_route."""
+        if ops.on_triton(x, self.weight) and x.dtype == self.weight.dtype and x.stride(-1) == 1:
+            return triton_route(router_logits(x, self.weight), self.e_score_correction_bias, self.cfg)
+        return route(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias, self.cfg)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,10 @@ are sorted by expert (stable) and laid out in blocks of ``block_m`` rows, each b
 the last block of an expert padded (:func:`sort_into_blocks`). Both paths of ``MoE`` compute over
 this layout: the Triton kernels here on a GPU, ``torch.bmm`` in specdec/models/moe.py elsewhere.
 
-After the router's GEMM, a decode step's routed experts are five launches, each one kernel where
-torch takes many small ops: :func:`triton_route` (a program per token picks its experts from the
-router's logits), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
+A decode step's router and routed experts are six launches, each one kernel where torch takes
+many small ops: :func:`router_logits` (the router's GEMM in partial sums over D, from the 16-bit
+weight), :func:`triton_route` (a program per token sums them and picks its experts),
+:func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
 kernels of :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in order, plus
 the shared expert's). Kernel 1 gathers a block's token rows of x and multiplies them by its
 expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row per block row);
@@ -203,28 +204,81 @@ def _layout_kernel(ids_ptr, row_pair_ptr, block_expert_ptr, pair_row_ptr, P, E, 
 
 
 # ----------------------------------------------------------------------------- router
+ROUTER_CHUNK = 512  # the columns of D one partial sum of the router's logits covers
+ROUTER_TILE = 16  # tokens and experts a router program multiplies (tl.dot's minimum)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's GEMM in partial sums over chunks of D, by one kernel (any device Triton runs on,
+    its interpreter included): x ``[T, D]`` and weight ``[E, D]`` of one dtype, unit stride in D
+    -> ``[S, T, E]`` fp32, S = ceil(D / ROUTER_CHUNK), whose in-order sum over S is x @ weight^T
+    (``F.linear(x.float(), weight.float())`` to fp32 rounding: 16-bit products are exact in
+    fp32). triton_route sums them, so the router costs no casts and no reduction kernel.
+
+    E.g. D = 7168: S = 14, at T = 1 a grid of 4 x 14 programs each reading 16 KB of the weight.
+    S depends on D alone, so a token's logits have the same bits at any T.
+    """
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    if (x.dim() != 2 or tuple(weight.shape) != (experts, hidden) or weight.dtype != x.dtype
+            or x.stride(1) != 1 or weight.stride(1) != 1):
+        raise ValueError(f"router: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}: "
+                         "expected x [T, D] and weight [E, D] of one dtype, unit stride in D")
+    splits = triton.cdiv(hidden, ROUTER_CHUNK)
+    out = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
+    if tokens:
+        _router_kernel[(triton.cdiv(experts, ROUTER_TILE), splits, triton.cdiv(tokens, ROUTER_TILE))](
+            x, weight, out, tokens, experts, hidden, x.stride(0), weight.stride(0),
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK=ROUTER_TILE, BLOCK_K=128,
+            CHUNK=ROUTER_CHUNK, num_warps=4)
+    return out
+
+
+@_jit
+def _router_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_x, stride_w, PRECISION: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """out[s, token tile, expert tile] = x[tokens, chunk s] @ w[experts, chunk s]^T."""
+    e_tile, s, t_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rt = t_tile * BLOCK + tl.arange(0, BLOCK)
+    re = e_tile * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in tl.static_range(0, CHUNK, BLOCK_K):
+        rk = s * CHUNK + k0 + tl.arange(0, BLOCK_K)
+        k_in = rk < D
+        a = tl.load(x_ptr + rt.to(tl.int64)[:, None] * stride_x + rk[None, :], mask=(rt < T)[:, None] & k_in[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + re[None, :] * stride_w + rk[:, None], mask=k_in[:, None] & (re < E)[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    out = out_ptr + (s * T + rt.to(tl.int64))[:, None] * E + re[None, :]
+    tl.store(out, acc, mask=(rt < T)[:, None] & (re < E)[None, :])
+
+
 def triton_route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config) -> tuple[torch.Tensor, torch.Tensor]:
     """moe.route by one kernel, a program per token, its E scores in registers (any device Triton
     runs on, its interpreter included).
 
-    logits ``[T, E]`` fp32 (unit stride in E), bias ``[E]`` fp32 -> (weights ``[T, k]`` fp32, ids
-    ``[T, k]`` int64). route's rule, ties to the lowest index included: on equal scores the ids
-    are route's; the weights equal route's to fp32 rounding (the kernel's sigmoid and sums are its
-    own, so a near-tie within a few ulps may go either way, as between torch's CPU and CUDA).
+    logits ``[T, E]`` fp32, or ``[S, T, E]`` partial sums (router_logits') added in order; unit
+    stride in E; bias ``[E]`` fp32 -> (weights ``[T, k]`` fp32, ids ``[T, k]`` int64). route's
+    rule, ties to the lowest index included: on equal scores the ids are route's; the weights
+    equal route's to fp32 rounding (the kernel's sigmoid and sums are its own, so a near-tie
+    within a few ulps may go either way, as between torch's CPU and CUDA).
     """
-    tokens, experts = logits.shape
+    partial = logits if logits.dim() == 3 else logits.unsqueeze(0)
+    splits, tokens, experts = partial.shape
     groups, top_k = cfg.n_group, cfg.num_experts_per_tok
     per_group = experts // groups
-    if (logits.dtype != torch.float32 or bias.dtype != torch.float32 or tuple(bias.shape) != (experts,)
-            or logits.stride(1) != 1 or experts % groups or per_group < 2 or top_k > cfg.topk_group * per_group):
+    if (logits.dim() not in (2, 3) or logits.dtype != torch.float32 or bias.dtype != torch.float32
+            or tuple(bias.shape) != (experts,) or partial.stride(2) != 1 or experts % groups or per_group < 2
+            or top_k > cfg.topk_group * per_group):
         raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)} {bias.dtype}, "
-                         f"{groups} groups, {cfg.topk_group} kept, top {top_k}: expected fp32 logits [T, E] of "
-                         "unit stride in E, an fp32 bias [E], groups of at least 2 dividing E, and k experts "
-                         "within the kept groups")
+                         f"{groups} groups, {cfg.topk_group} kept, top {top_k}: expected fp32 logits [T, E] or "
+                         "[S, T, E] of unit stride in E, an fp32 bias [E], groups of at least 2 dividing E, and "
+                         "k experts within the kept groups")
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
-        _route_kernel[(tokens,)](logits, bias, weights, ids, logits.stride(0), float(cfg.routed_scaling_factor),
+        _route_kernel[(tokens,)](partial, bias, weights, ids, splits, partial.stride(0), partial.stride(1),
+                                 float(cfg.routed_scaling_factor),
                                  GROUPS=groups, PER_GROUP=per_group, TOPK_GROUP=cfg.topk_group, TOP_K=top_k,
                                  NORMALISE=bool(cfg.norm_topk_prob), G_BLOCK=_pow2(groups),
                                  PG_BLOCK=_pow2(per_group), K_BLOCK=_pow2(top_k), num_warps=1)
@@ -238,7 +292,7 @@ def _first_max(values, index, NONE: tl.constexpr):
 
 
 @_jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits, scale,
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, S, stride_split, stride_logits, scale,
                   GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                   NORMALISE: tl.constexpr, G_BLOCK: tl.constexpr, PG_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
     """Token t's route; its experts as a [group, member] tile, padding lanes at -inf."""
@@ -246,7 +300,11 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits, sca
     group, member = tl.arange(0, G_BLOCK), tl.arange(0, PG_BLOCK)
     real = (group < GROUPS)[:, None] & (member < PER_GROUP)[None, :]
     expert = tl.where(real, group[:, None] * PER_GROUP + member[None, :], GROUPS * PER_GROUP)
-    score = tl.sigmoid(tl.load(logits_ptr + t.to(tl.int64) * stride_logits + expert, mask=real, other=0.0))
+    row = logits_ptr + t.to(tl.int64) * stride_logits + expert
+    logit = tl.load(row, mask=real, other=0.0)
+    for s in range(1, S):  # the partial sums in order
+        logit += tl.load(row + s * stride_split, mask=real, other=0.0)
+    score = tl.sigmoid(logit)
     choice = tl.where(real, score + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf"))
     # A group's score: its two best choices, as topk(2).values.sum() (a tie for the best is both).
     best = tl.max(choice, axis=1)
