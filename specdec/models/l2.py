@@ -2,8 +2,8 @@
 memory idle: a cache hint, nothing computed changes.
 
 At decode a layer's attention core (the latents, the query, attention and its reduce, the value
-product) reads a few MB from HBM in ~17 us of kernels at batch 1; o_proj's 29 MB come right after
-(a TP8 rank of DeepSeek-V3). :func:`prefetch` issued after qkv_a lets q_b and o_proj read from L2.
+product) is latency-bound and reads a few MB; o_proj's 29 MB come right after (a TP8 rank of
+DeepSeek-V3). :func:`prefetch` issued after qkv_a lets q_b and o_proj read from L2.
 One Triton kernel of PTX prefetches (``cp.async.bulk.prefetch.L2``: the copy engine fetches a
 chunk per instruction, the issuing program does not wait for it).
 """
