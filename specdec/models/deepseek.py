@@ -25,7 +25,7 @@ from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.models.moe import MoE
 from specdec.models.packing import CheckpointViews, row_views
-from specdec.models import gemv, l2, ops
+from specdec.models import gemv, ops
 from specdec.parallel import SINGLE, Parallel
 
 
@@ -217,8 +217,6 @@ class MLAttention(CheckpointViews, nn.Module):
         h, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
         qkv = gemv.linear(x, self.qkv_a)
-        if x.shape[0] <= gemv.GEMV_MAX_ROWS:  # decode: q_b and o_proj into L2 while the attention core runs
-            l2.prefetch(*([] if cfg.q_lora_rank is None else [self.q_b_proj.weight]), self.o_proj.weight)
         kv_rows = getattr(backend, "kv_rows", None) if self.writes_kv_rows else None
         cache = kv_rows(self.kv_layer_id, batch, qkv.dtype, qkv.shape[0], h) if kv_rows is not None else None
         q_a, kv_new = ops.mla_latents(qkv, self.q_rank, q_norm, self.kv_a_layernorm.weight, LATENT_NORM_EPS, *rope,

@@ -5,8 +5,7 @@ per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts 
 GEMM over those blocks.
 
 A bf16 decode MoE layer's Triton path launches 8 kernels: the router's GEMM and its choice, the
-layout, the grouped GEMM's two, the combine, and the shared expert's two, on a side stream beside
-the four before the combine (specdec/models/side.py).
+layout, the grouped GEMM's two, the combine, and the shared expert's two.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from specdec.parallel import SINGLE, Parallel
 from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, router_logits, sort_into_blocks, tiles_for,
                                         triton_combine, triton_route, triton_sort_into_blocks)
 from specdec.models.packing import CheckpointViews, row_views
-from specdec.models.side import Beside
 
 
 class Router(nn.Module):
@@ -126,24 +124,20 @@ class MoE(CheckpointViews, nn.Module):
         return views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``. On the Triton path the shared expert runs beside the routing
-        (side.Beside): neither reads the other's output until the combine."""
+        """x ``[T, D]`` -> ``[T, D]``."""
+        weights, ids = self.gate(x)  # [T, k] each
         num_experts, _, hidden = self.experts_gate_up.shape
-        if not ops.on_triton(x, self.gate.weight, self.experts_gate_up, self.experts_down):
-            weights, ids = self.gate(x)  # [T, k] each
-            blocks = sort_into_blocks(ids, num_experts, tiles_for(ids.numel(), num_experts, hidden, self.inter,
-                                                                  x.dtype).block_m)
+        tiles = tiles_for(ids.numel(), num_experts, hidden, self.inter, x.dtype)
+        if not ops.on_triton(x, weights, self.experts_gate_up, self.experts_down):
+            blocks = sort_into_blocks(ids, num_experts, tiles.block_m)
             per_pair = grouped_experts_torch(x, self.experts_gate_up, self.experts_down, weights, blocks)
             routed = per_pair.view(*ids.shape, hidden).sum(1)  # [T, k, D] -> [T, D], fp32
             return routed.to(x.dtype) + self.shared_experts(x)
-        x = x.contiguous()
-        shared = Beside(self.shared_experts, x)
-        weights, ids = self.gate(x)
-        tiles = tiles_for(ids.numel(), num_experts, hidden, self.inter, x.dtype)
         layout = triton_sort_into_blocks if ids.numel() <= LAYOUT_MAX_PAIRS else sort_into_blocks
         blocks = layout(ids, num_experts, tiles.block_m)
-        per_pair = moe_kernels.grouped_experts(x, self.experts_gate_up, self.experts_down, weights, blocks, tiles)
-        return triton_combine(per_pair.view(*ids.shape, hidden), shared.join())
+        per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
+                                               blocks, tiles)
+        return triton_combine(per_pair.view(*ids.shape, hidden), self.shared_experts(x))
 
 
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
