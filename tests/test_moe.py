@@ -106,6 +106,31 @@ def test_layout_invariants(tokens, top_k, experts, block_m):
             assert real.numel() > 0 and (flat[real] == expert).all() and (real.diff() > 0).all()
 
 
+def test_single_token_layout():
+    """One token's layout: the docstring's example, every pair in its own block of its expert,
+    padding marked, the constants built once, the same per-pair outputs as the sorted layout's
+    (a repeated expert included), and bad ids refused."""
+    from specdec.models.moe_kernels import single_token_blocks
+
+    blocks = single_token_blocks(torch.tensor([[5, 1]]), num_experts=8, block_m=2)
+    assert blocks.row_pair.tolist() == [0, 2, 1, 2] and blocks.pair_row.tolist() == [0, 2]
+    assert blocks.block_expert.tolist() == [5, 1] and blocks.num_blocks == 2 and blocks.top_k == 2
+    again = single_token_blocks(torch.tensor([[3, 0]]), num_experts=8, block_m=2)
+    assert again.row_pair is blocks.row_pair and again.block_expert.tolist() == [3, 0]
+    moe = make_moe(num_experts_per_tok=3, n_group=4, topk_group=4)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
+    for ids in (torch.tensor([[6, 2, 4]]), torch.tensor([[3, 3, 1]])):
+        weights = torch.tensor([[0.5, 0.3, 0.2]])
+        sorted_out, single_out = (moe_module.grouped_experts_torch(x, moe.experts_gate_up, moe.experts_down, weights,
+                                                                   layout(ids, 8, 16))
+                                  for layout in (sort_into_blocks, single_token_blocks))
+        torch.testing.assert_close(single_out, sorted_out, rtol=0, atol=0)
+    for bad in (torch.zeros(2, 3, dtype=torch.int64), torch.zeros(1, 3, dtype=torch.int32),
+                torch.zeros(1, 9, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="single_token_blocks"):
+            single_token_blocks(bad, 8, 16)
+
+
 def test_tiles_follow_rows_per_expert():
     bf16 = torch.bfloat16
     assert tiles_for(8, 256, 7168, 2048, bf16).block_m == 16  # batch 1: a block per chosen expert
@@ -378,7 +403,7 @@ def test_kernels_under_triton_interpreter():
     pytest.importorskip("triton")
     run_interpreted("""
 import torch
-from specdec.models.moe_kernels import grouped_experts, sort_into_blocks, tiles_for
+from specdec.models.moe_kernels import grouped_experts, single_token_blocks, sort_into_blocks, tiles_for
 from test_moe import assert_matches, make_moe, random_routing, reference
 
 # D and I not powers of two (masked K and N tails); 16-row and 32-row blocks; k = 1, 2 and 8;
@@ -401,6 +426,10 @@ for dtype in (torch.float32, torch.bfloat16):
         with torch.no_grad():
             got = per_pair.view(tokens, top_k, 72).sum(1).to(dtype) + moe.shared_experts(x)
         assert_matches(got, reference(moe, x, weights, ids), dtype)
+        if tokens == 1:  # the unsorted single-token layout: the same rows, bit for bit
+            single = single_token_blocks(ids, experts, tiles.block_m)
+            assert torch.equal(grouped_experts(x, moe.experts_gate_up.detach(), moe.experts_down.detach(), weights,
+                                               single, tiles), per_pair)
 print("ok")
 """)
 

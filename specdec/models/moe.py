@@ -5,12 +5,12 @@ per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts 
 GEMM over those blocks.
 
 A bf16 decode MoE layer's Triton path launches 8 kernels: the router's GEMM and its choice, the
-layout, the grouped GEMM's two, the combine, and the shared expert's two.
+layout (none for one token), the grouped GEMM's two, the combine, and the shared expert's two.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,9 @@ from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
-from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, router_logits, sort_into_blocks, tiles_for,
-                                        triton_combine, triton_route, triton_sort_into_blocks)
+from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, router_logits, single_token_blocks,
+                                        sort_into_blocks, tiles_for, triton_combine, triton_route,
+                                        triton_sort_into_blocks)
 from specdec.models.packing import CheckpointViews, row_views
 
 
@@ -129,15 +130,23 @@ class MoE(CheckpointViews, nn.Module):
         num_experts, _, hidden = self.experts_gate_up.shape
         tiles = tiles_for(ids.numel(), num_experts, hidden, self.inter, x.dtype)
         if not ops.on_triton(x, weights, self.experts_gate_up, self.experts_down):
-            blocks = sort_into_blocks(ids, num_experts, tiles.block_m)
+            blocks = layout_for(ids)(ids, num_experts, tiles.block_m)
             per_pair = grouped_experts_torch(x, self.experts_gate_up, self.experts_down, weights, blocks)
             routed = per_pair.view(*ids.shape, hidden).sum(1)  # [T, k, D] -> [T, D], fp32
             return routed.to(x.dtype) + self.shared_experts(x)
-        layout = triton_sort_into_blocks if ids.numel() <= LAYOUT_MAX_PAIRS else sort_into_blocks
-        blocks = layout(ids, num_experts, tiles.block_m)
+        blocks = layout_for(ids, triton_sort_into_blocks)(ids, num_experts, tiles.block_m)
         per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
                                                blocks, tiles)
         return triton_combine(per_pair.view(*ids.shape, hidden), self.shared_experts(x))
+
+
+def layout_for(ids: torch.Tensor, kernel: Optional[Callable] = None) -> Callable[..., ExpertBlocks]:
+    """How MoE lays out ids ``[T, k]``: one token needs no sort (single_token_blocks); a decode
+    step's pairs go to the layout ``kernel`` where one is given, a prefill's to the torch ops
+    (sort_into_blocks), whose GEMMs dwarf them."""
+    if ids.shape[0] == 1:
+        return single_token_blocks
+    return kernel if kernel is not None and ids.numel() <= LAYOUT_MAX_PAIRS else sort_into_blocks
 
 
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

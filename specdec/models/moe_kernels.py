@@ -81,7 +81,8 @@ def tiles_for(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype: 
 # ----------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
 class ExpertBlocks:
-    """P = T * k pairs sorted by expert into ``num_blocks`` blocks of ``block_m`` rows.
+    """P = T * k pairs sorted by expert into ``num_blocks`` blocks of ``block_m`` rows (one
+    token's: a block a pair, in pair order, single_token_blocks).
 
     ``row_pair`` ``[num_blocks * block_m]`` int64: the pair in each row, in expert order (stable:
     by pair within an expert); P in padding rows. ``block_expert`` ``[num_blocks]`` int64: each
@@ -134,6 +135,34 @@ def sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     row_pair = torch.full((num_blocks * block_m,), pairs, dtype=torch.int64, device=device).scatter_(0, row_of, pair_of)
     pair_row = torch.empty_like(pair_of).scatter_(0, pair_of, row_of)
     return ExpertBlocks(row_pair, block_expert, pair_row, block_m, num_experts, top_k)
+
+
+_SINGLE_TOKEN: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def single_token_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """One token's expert ids ``[1, k]`` (int64, in [0, E)) -> a layout with no kernel: block j
+    holds pair j alone, of expert ids[0, j] (a view of ids).
+
+    Not in expert order, which no kernel needs: each pair's output is its own row's (a repeated
+    expert just has two blocks). row_pair and
+    pair_row are constants of (k, block_m), built once per device, except under stream capture
+    (built inside the graph there, as attn.base.const_arange). E.g. k = 2, block_m = 2, ids
+    [[5, 1]]: row_pair [0, 2 | 1, 2], block_expert [5, 1], pair_row [0, 2].
+    """
+    top_k = ids.shape[-1]
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64 or top_k > max(1, num_experts):
+        raise ValueError(f"single_token_blocks: ids {tuple(ids.shape)} {ids.dtype}: expected one token's "
+                         f"int64 ids [1, k], k <= {num_experts} experts")
+    key = (top_k, block_m, ids.device)
+    rows = _SINGLE_TOKEN.get(key)
+    if rows is None:
+        with torch.inference_mode(False):
+            row = torch.arange(top_k * block_m, device=ids.device)
+            rows = (torch.where(row % block_m == 0, row // block_m, top_k), row[::block_m].clone())
+        if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _SINGLE_TOKEN[key] = rows
+    return ExpertBlocks(rows[0], ids.view(-1), rows[1], block_m, num_experts, top_k)
 
 
 LAYOUT_MAX_PAIRS = 4096  # the most pairs MoE lays out by the kernel: 64 chunks, run one after another
