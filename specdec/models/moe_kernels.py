@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attn.base import const_arange
 from specdec.models.config import DeepseekV3Config
 from specdec.triton_lang import jit as _jit, tl, triton  # without Triton the torch path in moe.py serves
 
@@ -137,7 +138,7 @@ def sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     return ExpertBlocks(row_pair, block_expert, pair_row, block_m, num_experts, top_k)
 
 
-_SINGLE_TOKEN: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_SINGLE_TOKEN: dict[tuple, torch.Tensor] = {}  # row_pair of (k, block_m, device)
 
 
 def single_token_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -145,24 +146,25 @@ def single_token_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     holds pair j alone, of expert ids[0, j] (a view of ids).
 
     Not in expert order, which no kernel needs: each pair's output is its own row's (a repeated
-    expert just has two blocks). row_pair and
-    pair_row are constants of (k, block_m), built once per device, except under stream capture
-    (built inside the graph there, as attn.base.const_arange). E.g. k = 2, block_m = 2, ids
-    [[5, 1]]: row_pair [0, 2 | 1, 2], block_expert [5, 1], pair_row [0, 2].
+    expert just has two blocks). row_pair and pair_row are constants of (k, block_m), built once
+    per device except under stream capture (pair_row by attn.base.const_arange, row_pair by its
+    rule). E.g. k = 2, block_m = 2, ids [[5, 1]]: row_pair [0, 2 | 1, 2], block_expert [5, 1],
+    pair_row [0, 2].
     """
-    top_k = ids.shape[-1]
+    top_k = ids.shape[-1] if ids.dim() else 0
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64 or top_k > max(1, num_experts):
         raise ValueError(f"single_token_blocks: ids {tuple(ids.shape)} {ids.dtype}: expected one token's "
                          f"int64 ids [1, k], k <= {num_experts} experts")
+    pair_row = const_arange(top_k * block_m, ids.device, step=block_m)
     key = (top_k, block_m, ids.device)
-    rows = _SINGLE_TOKEN.get(key)
-    if rows is None:
+    row_pair = _SINGLE_TOKEN.get(key)
+    if row_pair is None:
         with torch.inference_mode(False):
             row = torch.arange(top_k * block_m, device=ids.device)
-            rows = (torch.where(row % block_m == 0, row // block_m, top_k), row[::block_m].clone())
+            row_pair = torch.where(row % block_m == 0, row // block_m, top_k)
         if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _SINGLE_TOKEN[key] = rows
-    return ExpertBlocks(rows[0], ids.view(-1), rows[1], block_m, num_experts, top_k)
+            _SINGLE_TOKEN[key] = row_pair
+    return ExpertBlocks(row_pair, ids.view(-1), pair_row, block_m, num_experts, top_k)
 
 
 LAYOUT_MAX_PAIRS = 4096  # the most pairs MoE lays out by the kernel: 64 chunks, run one after another
@@ -247,12 +249,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     E.g. D = 7168: S = 14, at T = 1 a grid of 4 x 14 programs each reading 16 KB of the weight.
     S depends on D alone, so a token's logits have the same bits at any T.
     """
-    tokens, hidden = x.shape
-    experts = weight.shape[0]
-    if (x.dim() != 2 or tuple(weight.shape) != (experts, hidden) or weight.dtype != x.dtype
+    if (x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.dtype != x.dtype
             or x.stride(1) != 1 or weight.stride(1) != 1):
         raise ValueError(f"router: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}: "
                          "expected x [T, D] and weight [E, D] of one dtype, unit stride in D")
+    (tokens, hidden), experts = x.shape, weight.shape[0]
     splits = triton.cdiv(hidden, ROUTER_CHUNK)
     out = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     if tokens:
@@ -293,7 +294,7 @@ def triton_route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config
     within a few ulps may go either way, as between torch's CPU and CUDA).
     """
     partial = logits if logits.dim() == 3 else logits.unsqueeze(0)
-    splits, tokens, experts = partial.shape
+    splits, tokens, experts = partial.shape if partial.dim() == 3 else (0, 0, 0)
     groups, top_k = cfg.n_group, cfg.num_experts_per_tok
     per_group = experts // groups
     if (logits.dim() not in (2, 3) or logits.dtype != torch.float32 or bias.dtype != torch.float32
