@@ -33,8 +33,8 @@ each with the (shared) head.
 --tp N (under torchrun --nproc-per-node N; NCCL on GPUs, gloo with --smoke): the same slice
 sharded over N ranks (heads, MLP and expert intermediates, vocabulary: rank_config), one worker a
 rank in lockstep; each rank's floor counts the bytes it holds, and ``target_comm_us`` /
-``spec_comm_us`` are the step's collectives (CollectiveTap over its eager step; each kind timed
-alone, collectives_us). Rank 0 prints and writes; kernel counts are left empty (a rank's layer
+``spec_comm_us`` the step's collectives (CollectiveTap over its eager step, ``*_collectives``
+calls; each kind timed alone, collectives_us). Rank 0 prints and writes; kernel counts are left empty (a rank's layer
 adds its two all-reduces to the tp 1 count).
 
 Also: kernels a layer launches (LayerKernels: torch.profiler over one eager call of the first
@@ -169,6 +169,7 @@ def measure_target(s: Setup, backend: str, prompts: list[list[int]]) -> dict:
     out = {"target_us": statistics.median(times), "target_floor_us": floor_us(floor, s.bandwidth),
            "target_floor_gb": floor / 1e9, "target_kv_len": kv_len, "target_experts": _mean_experts(tapped),
            "experts_measured": measured, "target_comm_us": collectives_us(s.parallel, comm.calls, s.device),
+           "target_collectives": len(comm.calls),
            "target_kv_gb": pool_bytes(decoder.run.pool) / 1e9,
            "target_graph_mib": (after[0] - before[0]) / MIB, "target_graph_reserved_mib": (after[1] - before[1]) / MIB}
     del decoder
@@ -296,6 +297,7 @@ def measure_spec(s: Setup, cfg: SpecConfig, prompts: list[list[int]], max_new_to
            "verify_experts": _mean_experts(verify), "draft_experts": _mean_experts(drafts),
            "experts_measured": measured and d_measured, "spec_kv_len": kv_len,
            "spec_comm_us": collectives_us(s.parallel, comm.calls, s.device),
+           "spec_collectives": len(comm.calls),
            "spec_kv_gb": (pool_bytes(worker.target_pool) + pool_bytes(worker.draft_pool)) / 1e9,
            "captured_steps": len(runner.captured) if runner is not None else 0,
            "graph_mib": (after[0] - before[0]) / MIB, "graph_reserved_mib": (after[1] - before[1]) / MIB}
@@ -326,6 +328,7 @@ def combine(s: Setup, backend: str, batch: int, topk: int, cfg: SpecConfig, targ
         "draft_tokens": spec["draft_tokens"],
         "target_kv_len": target["target_kv_len"], "spec_kv_len": spec["spec_kv_len"],
         "target_comm_us": target["target_comm_us"], "spec_comm_us": spec["spec_comm_us"],
+        "target_collectives": target["target_collectives"], "spec_collectives": spec["spec_collectives"],
         "bandwidth_gbs": s.bandwidth / 1e9, "model_gb": model_gb,
         "target_kv_gb": target["target_kv_gb"], "spec_kv_gb": spec["spec_kv_gb"],
         "captured_steps": spec["captured_steps"],

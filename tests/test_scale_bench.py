@@ -216,7 +216,7 @@ def _smoke(tmp_path, name: str, tp: int) -> tuple[subprocess.CompletedProcess, l
 def test_tensor_parallel_smoke_under_torchrun(tmp_path):
     """--tp 2 on two gloo ranks: rank 0 alone prints and writes; each rank's shard holds what its
     floor counts (no WARNING); its floor is below one process's and above half of it (the KV, the
-    latent projections, norms and routers are whole on every rank); its collectives are timed."""
+    latent projections, norms and routers are whole on every rank); its collectives are counted and timed."""
     one, one_rows = _smoke(tmp_path, "tp1", 1)
     two, two_rows = _smoke(tmp_path, "tp2", 2)
     assert one.returncode == 0 and two.returncode == 0, two.stdout + two.stderr
@@ -226,7 +226,8 @@ def test_tensor_parallel_smoke_under_torchrun(tmp_path):
     for kind in ("target", "spec"):
         assert r1[f"{kind}_floor_gb"] / 2 < r2[f"{kind}_floor_gb"] < r1[f"{kind}_floor_gb"]
         assert r1[f"{kind}_comm_us"] == 0 and r2[f"{kind}_comm_us"] > 0
-    assert r2["spec_comm_us"] > r2["target_comm_us"]  # verify plus the draft's passes
+        assert r1[f"{kind}_collectives"] == 0 and r2[f"{kind}_collectives"] > 0
+    assert r2["spec_collectives"] > r2["target_collectives"]  # verify plus the draft's passes
 
 
 def test_tp_outside_torchrun_is_a_usage_error():
