@@ -131,16 +131,6 @@ def test_single_token_layout():
             single_token_blocks(bad, 8, 16)
 
 
-def test_tiles_follow_rows_per_expert():
-    bf16 = torch.bfloat16
-    assert tiles_for(8, 256, 7168, 2048, bf16).block_m == 16  # batch 1: a block per chosen expert
-    assert tiles_for(2048, 64, 7168, 256, bf16).block_m == 32
-    assert tiles_for(65536, 256, 7168, 2048, bf16).block_m == 64
-    assert tiles_for(8, 256, 7168, 2048, torch.float32).k1 == tiles_for(8, 256, 7168, 2048, bf16).k1 // 2
-    small = tiles_for(4, 8, 64, 32, bf16)  # clamped to the shape
-    assert (small.n1, small.k1, small.n2, small.k2) == (16, 64, 64, 32)
-
-
 # ------------------------------------------------------------------- torch path (CPU)
 CASES = {  # name: (tokens, config overrides, routing)
     "random": (7, {}, "random"),
@@ -370,6 +360,20 @@ for dtype in (torch.float32, torch.bfloat16):
             single = single_token_blocks(ids, experts, tiles.block_m)
             assert torch.equal(grouped_experts(x, moe.experts_gate_up.detach(), moe.experts_down.detach(), weights,
                                                single, tiles), per_pair)
+# Several K steps of kernel 1 with a masked tail (D 1100), in its one-wave tiles and (a 4-SM rule) its wide ones.
+for dtype, sms in ((torch.float32, 132), (torch.bfloat16, 132), (torch.bfloat16, 4)):
+    moe = make_moe(dtype, hidden_size=1100, moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
+                   n_group=4, topk_group=4)
+    gen = torch.Generator().manual_seed(sms)
+    weights, ids = random_routing(2, 2, 8, gen, avoid=())
+    x = torch.randn(2, 1100, generator=gen).to(dtype)
+    tiles = tiles_for(ids.numel(), 8, 1100, 40, dtype, sms=sms)
+    assert tiles.n1 == (16 if sms == 132 else 32) and 1100 > 2 * tiles.k1, tiles
+    per_pair = grouped_experts(x, moe.experts_gate_up.detach(), moe.experts_down.detach(), weights,
+                               sort_into_blocks(ids, 8, tiles.block_m), tiles)
+    with torch.no_grad():
+        got = per_pair.view(2, 2, 1100).sum(1).to(dtype) + moe.shared_experts(x)
+    assert_matches(got, reference(moe, x, weights, ids), dtype)
 print("ok")
 """)
 
@@ -474,9 +478,11 @@ def compile_for_sm90(kernel, args, kwargs):
 
 
 @pytest.mark.parametrize("dtype,tokens,experts,inter", [
-    (torch.bfloat16, 3, 256, 2048), (torch.bfloat16, 256, 64, 256), (torch.bfloat16, 1024, 64, 2048),
-    (torch.float16, 3, 64, 256), (torch.float32, 3, 64, 256), (torch.float32, 256, 64, 256),
-], ids=["bf16-decode", "bf16-2048-pairs", "bf16-prefill", "fp16-decode", "fp32-decode", "fp32-2048-pairs"])
+    (torch.bfloat16, 1, 256, 256), (torch.bfloat16, 3, 256, 2048), (torch.bfloat16, 256, 64, 256),
+    (torch.bfloat16, 1024, 64, 2048), (torch.float16, 3, 64, 256), (torch.float32, 1, 64, 256),
+    (torch.float32, 3, 64, 256), (torch.float32, 256, 64, 256),
+], ids=["bf16-one-token", "bf16-decode", "bf16-2048-pairs", "bf16-prefill", "fp16-decode", "fp32-one-token",
+        "fp32-decode", "fp32-2048-pairs"])
 def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
     """Without a GPU: the kernels MoE's Triton path launches compile for H200 (the grouped GEMM's
     16, 32 and 64-row tiles with their loads pipelined into shared memory), each within a block's

@@ -41,10 +41,12 @@ def _pow2(n: int) -> int:
 # ------------------------------------------------------------------------------ tiles
 @dataclass(frozen=True)
 class Tiles:
-    """Block sizes of the two kernels (powers of two, at least 16: tl.dot's minimum).
+    """Block sizes and launch options of the two kernels (tiles powers of two, at least 16: tl.dot's
+    minimum).
 
     ``block_m`` rows of pairs per block (the layout's too); kernel 1 tiles I by ``n1`` (a gate and
-    an up accumulator each) and D by ``k1``; kernel 2 tiles D by ``n2`` and I by ``k2``.
+    an up accumulator each) and D by ``k1``, launched with ``warps1`` / ``stages1``; kernel 2 tiles
+    D by ``n2`` and I by ``k2``, launched with ``warps2`` / ``stages2``.
     """
 
     block_m: int
@@ -52,31 +54,43 @@ class Tiles:
     k1: int
     n2: int
     k2: int
-    num_warps: int
-    num_stages: int
+    warps1: int
+    stages1: int
+    warps2: int
+    stages2: int
 
 
-def tiles_for(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> Tiles:
-    """The tiles for P pairs over E experts in ``dtype``, for SM90 (H200) at D = 7168, I = 256..2048.
+def tiles_for(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+              sms: int = 132) -> Tiles:
+    """The tiles for P pairs over E experts in ``dtype``, for SM90 (H200, ``sms`` multiprocessors)
+    at D = 7168, I = 256..2048.
 
     ``block_m`` follows the mean rows of a chosen expert, P / min(E, P): 16 at decode (a block per
     chosen expert, mostly padding: the weights dominate the bytes), up to 64 for prefill. At 16 rows
-    both kernels are weight-bandwidth bound: narrow N tiles in kernel 1 (whose programs read gate
-    and up rows) give enough programs to pull HBM bandwidth at batch 1 (8 blocks x I / 16 = 128 at
-    I = 256), and K steps of 256 bytes a row with 4 stages keep loads in flight. Every choice stays
-    under ~120 KB of shared memory (H200: 227 KB a block). Clamped to the shape, so any D and I
-    work (masks cover the rest).
+    both kernels are weight-bandwidth bound. Kernel 1: where its blocks in 16-wide N tiles fit one
+    wave (one token: 8 blocks x I / 16 = 128 programs at I = 256), those, each streaming 1 KB a
+    row a K step with 2 warps; else 32-wide tiles, 256-byte K steps, 4 warps. Kernel 2: 64-wide D
+    tiles, 256-byte K steps, its few K steps all in flight (2 stages at I = 256). The choices come
+    from a sweep of both kernels at the rank slice's shapes (docs/benchmarks.md). Every choice stays
+    under ~200 KB of shared memory (H200: 227 KB a block). Clamped to the shape, so any D and I work
+    (masks cover the rest).
     """
     rows = -(-num_pairs // max(1, min(num_experts, num_pairs)))
     block_m = min(64, max(16, _pow2(rows)))
-    k_step = (256 if block_m < 64 else 128) // dtype.itemsize  # elements of a K step
-    n1 = 64 if block_m > 16 else (16 if inter < 1024 else 32)
 
     def fit(tile: int, size: int) -> int:
         return max(16, min(tile, _pow2(size)))
 
-    return Tiles(block_m=block_m, n1=fit(n1, inter), k1=fit(k_step, hidden), n2=fit(128, hidden), k2=fit(k_step, inter),
-                 num_warps=4 if block_m < 64 else 8, num_stages=4 if block_m == 16 else 3)
+    if block_m > 16:
+        k_step = (256 if block_m < 64 else 128) // dtype.itemsize
+        warps = 4 if block_m < 64 else 8
+        return Tiles(block_m=block_m, n1=fit(64, inter), k1=fit(k_step, hidden), n2=fit(128, hidden),
+                     k2=fit(k_step, inter), warps1=warps, stages1=3, warps2=warps, stages2=3)
+    one_wave = max_blocks(num_pairs, num_experts, block_m) * -(-inter // 16) <= sms
+    n1, k1_bytes, warps1 = (16, 1024, 2) if one_wave else (32, 256, 4)
+    k2 = fit(256 // dtype.itemsize, inter)
+    return Tiles(block_m=16, n1=fit(n1, inter), k1=fit(k1_bytes // dtype.itemsize, hidden), n2=fit(64, hidden),
+                 k2=k2, warps1=warps1, stages1=4, warps2=4, stages2=2 if -(-inter // k2) <= 2 else 4)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -394,15 +408,16 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         return out
     flat_weights = weights.reshape(-1).float()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, tiles.n1))](
         x, gate_up, h, blocks.row_pair, blocks.block_expert, pairs, num_experts, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        TOP_K=blocks.top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.n1, BLOCK_K=tiles.k1, PRECISION=precision, **launch)
+        TOP_K=blocks.top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.n1, BLOCK_K=tiles.k1, PRECISION=precision,
+        num_warps=tiles.warps1, num_stages=tiles.stages1)
     _down_kernel[(blocks.num_blocks, triton.cdiv(hidden, tiles.n2))](
         h, down, out, flat_weights, blocks.row_pair, blocks.block_expert, pairs, num_experts, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.n2, BLOCK_K=tiles.k2, PRECISION=precision, **launch)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.n2, BLOCK_K=tiles.k2, PRECISION=precision,
+        num_warps=tiles.warps2, num_stages=tiles.stages2)
     return out
 
 
