@@ -1,5 +1,5 @@
-"""specdec.models.gemv: the GEMV, its folded silu * up and its fp32 logits, against fp32 products of
-the torch steps, under Triton's interpreter on the CPU and on a GPU."""
+"""specdec.models.gemv: the GEMV, its folded silu * up (also from partial sums) and its fp32 logits,
+against fp32 products of the torch steps, under Triton's interpreter on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def check_all(device, dtypes):
             act = ops.silu_mul(gate_up)  # the torch path on the CPU, its kernel on a GPU
             torch.testing.assert_close(gemv.triton_silu_linear(gate_up, w), (act.float() @ w.float().T).to(dtype),
                                        **TOL)
+            # The gate/up GEMM as partial sums (a column slice, as router_logits' extra columns): their
+            # in-order sum, rounded, is the input. Eighths add exactly (the interpreter rounds fp32 to
+            # 16 bits its own way); on a GPU, any values.
+            eighths = [(rand(splits, m, 2 * k + 8) * 8).round() / 8 for splits in (1, 3)]
+            for parts in eighths + ([rand(3, m, 2 * k + 8)] if device == "cuda" else []):
+                parts, splits = parts[..., 8:], parts.shape[0]
+                want = gemv.triton_silu_linear(gemv.summed_in_order(parts).to(dtype), w)
+                assert torch.equal(gemv.triton_silu_linear_partials(parts, w), want), (m, n, k, splits)
+                if device == "cuda":
+                    assert torch.equal(gemv.silu_linear_partials(parts, w), want)
         try:
             gemv.triton_silu_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
         except ValueError as e:

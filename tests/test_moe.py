@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from interpreted import run_interpreted
-from specdec.models import moe as moe_module
+from specdec.models import gemv, moe as moe_module
 from specdec.models.config import DeepseekV3Config
 from specdec.models.moe import MoE, route
 from specdec.models.moe_kernels import LAYOUT_MAX_PAIRS, max_blocks, sort_into_blocks, tiles_for
@@ -380,7 +380,8 @@ print("ok")
 
 def test_triton_path_under_triton_interpreter():
     """The whole MoE forward on its Triton path (the CUDA check patched; the torch router, layout
-    and grouped GEMM made to fail) against the per-token reference of the torch router's choice."""
+    and grouped GEMM made to fail; at 16-bit decode sizes the shared expert's own forward too, its
+    gate/up in the router's kernel) against the per-token reference of the torch router's choice."""
     pytest.importorskip("triton")
     run_interpreted("""
 import torch
@@ -391,7 +392,7 @@ def torch_ran(*args, **kwargs):
     raise AssertionError("the torch path ran")
 
 for dtype in (torch.float32, torch.bfloat16):
-    for tokens, overrides in ((1, {}), (6, {}), (40, dict(num_experts_per_tok=1)),
+    for tokens, overrides in ((1, {}), (3, {}), (6, {}), (40, dict(num_experts_per_tok=1)),
                               (5, dict(n_routed_experts=16, num_experts_per_tok=8, n_group=2, topk_group=2))):
         moe = make_moe(dtype, hidden_size=72, moe_intermediate_size=40, **overrides).eval()
         with torch.no_grad():  # expert 0 is never chosen, and never read
@@ -405,6 +406,8 @@ for dtype in (torch.float32, torch.bfloat16):
             ops.on_triton = lambda *tensors: True
             moe_module.route = moe_module.sort_into_blocks = moe_module.grouped_experts_torch = torch_ran
             got_weights, got_ids = moe.gate(x)
+            if moe_module.shared_in_router(tokens, dtype, moe.shared_experts.gate_up.shape[0]):  # in the router's
+                moe.shared_experts.forward = torch_ran
             got = moe(x)
             ops.on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch = saved
         assert torch.equal(got_ids, ids)
@@ -437,10 +440,13 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter)
 
     for name in KERNELS:
         monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name)))
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder(gemv._gemv_kernel))
     cfg = DeepseekV3Config(n_routed_experts=experts, n_group=8, topk_group=4, num_experts_per_tok=top_k)
     x = torch.empty(tokens, hidden, dtype=dtype)
-    moe_kernels.triton_route(moe_kernels.router_logits(x, torch.empty(experts, hidden, dtype=dtype)),
-                             torch.empty(experts), cfg)
+    fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
+    shared = torch.empty(2 * inter, hidden, dtype=dtype) if fused else None
+    partials = moe_kernels.router_logits(x, torch.empty(experts, hidden, dtype=dtype), shared)
+    moe_kernels.triton_route(partials[..., :experts], torch.empty(experts), cfg)
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(0))
     tiles = tiles_for(ids.numel(), experts, hidden, inter, dtype)
     layout = (moe_kernels.triton_sort_into_blocks if ids.numel() <= moe_kernels.LAYOUT_MAX_PAIRS
@@ -449,8 +455,13 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter)
     down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, hidden, inter)
     per_pair = moe_kernels.grouped_experts(x, gate_up, down,
                                            torch.rand(tokens, top_k), layout(ids, experts, tiles.block_m), tiles)
+    if shared is not None:
+        gemv.triton_silu_linear_partials(partials[..., experts:], torch.empty(hidden, inter, dtype=dtype))
     moe_kernels.triton_combine(per_pair.view(tokens, top_k, hidden), torch.empty(tokens, hidden, dtype=dtype))
     return launches
+
+
+
 
 
 def compile_for_sm90(kernel, args, kwargs):
@@ -489,8 +500,10 @@ def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
     shared memory."""
     pytest.importorskip("triton.backends.nvidia")
     launches = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter)
+    fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
     names = [kernel.fn.__name__ for kernel, _, _ in launches]
-    assert names == [name for name in KERNELS if tokens * 8 <= LAYOUT_MAX_PAIRS or name != "_layout_kernel"]
+    want = [name for name in KERNELS if tokens * 8 <= LAYOUT_MAX_PAIRS or name != "_layout_kernel"]
+    assert names == want[:-1] + ["_gemv_kernel"] * fused + want[-1:]
     for name, launch in zip(names, launches):
         compiled = compile_for_sm90(*launch)
         if name in ("_gate_up_kernel", "_down_kernel"):

@@ -44,7 +44,8 @@ print("ok")
 
 def test_router_gemm_under_triton_interpreter():
     """router_logits' partial sums add up to the fp32 GEMM, over D below, at and past its chunks,
-    at T past a tile; the logits of a token do not depend on the other tokens; bad shapes refused."""
+    at T past a tile; the logits of a token do not depend on the other tokens, nor on extra rows
+    multiplied in the same launch (whose sums are their GEMM's); bad shapes refused."""
     pytest.importorskip("triton")
     run_interpreted("""
 import pytest, torch
@@ -62,9 +63,19 @@ for dtype in (torch.float32, torch.bfloat16):
         torch.testing.assert_close(partial.sum(0), want, rtol=1e-5, atol=1e-5 * hidden ** 0.5)
         if tokens > 1:
             assert torch.equal(router_logits(x[1:2], w), partial[:, 1:2])
+        for more in (2, 17, 40):  # extra rows: their products after the router's, whose bits do not change
+            extra = torch.randn(more, hidden, generator=gen).to(dtype)
+            both = router_logits(x, w, extra)
+            assert both.shape == (partial.shape[0], tokens, experts + more)
+            assert torch.equal(both[..., :experts], partial)
+            torch.testing.assert_close(both[..., experts:].sum(0), F.linear(x.float(), extra.float()), rtol=1e-5,
+                                       atol=1e-5 * hidden ** 0.5)
 for x, w in ((torch.zeros(2, 64), torch.zeros(8, 32)), (torch.zeros(2, 64), torch.zeros(8, 64).bfloat16()),
              (torch.zeros(64, 2).t(), torch.zeros(8, 64))):
     with pytest.raises(ValueError, match="router"):
         router_logits(x, w)
+for extra in (torch.zeros(4, 32), torch.zeros(4, 64).bfloat16(), torch.zeros(64, 4).t()):
+    with pytest.raises(ValueError, match="extra"):
+        router_logits(torch.zeros(2, 64), torch.zeros(8, 64), extra)
 print("ok")
 """)

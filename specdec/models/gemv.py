@@ -1,6 +1,6 @@
 """Decode GEMMs of a few rows as weight reads: one Triton kernel streams each weight once; for the
 MLP's down projection it computes SwiGLU's silu(gate) * up as it loads its input, so that step
-costs no launch of its own.
+costs no launch of its own (also from partial sums of the gate/up GEMM: silu_linear_partials).
 
 Why our own kernel: cuBLAS runs GEMMs of a few rows at about half the read bandwidth. The silu
 fold computes on the block's real rows only (repeated to the 16 rows a dot takes): on all 16 it
@@ -45,6 +45,27 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(ops.silu_mul(gate_up), weight)
 
 
+def silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_linear of a gate/up GEMM's output given as partial sums: partials ``[S, M, 2I]`` fp32
+    (unit stride in 2I: moe_kernels.router_logits' extra columns), weight ``[N, I]`` 16-bit ->
+    ``[M, N]`` in weight's dtype. gate_up is the S partials summed in order in fp32, rounded to
+    weight's dtype as linear's output is; the GEMV sums them as it loads its input where it serves.
+    E.g. the rank slice's shared expert: ``[14, 1, 512]`` and ``[7168, 256]`` -> ``[1, 7168]``."""
+    if (on_triton(partials, weight) and partials.dim() == 3 and partials.dtype == torch.float32
+            and partials.shape[1] <= GEMV_MAX_ROWS and partials.stride(2) == 1 and weight.is_contiguous()
+            and weight.dtype in (torch.bfloat16, torch.float16)):
+        return triton_silu_linear_partials(partials, weight)
+    return silu_linear(summed_in_order(partials).to(weight.dtype), weight)
+
+
+def summed_in_order(partials: torch.Tensor) -> torch.Tensor:
+    """``[S, ...]`` -> their sum, added first to last (the order the kernels add them in)."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total
+
+
 def gemv_config(n: int, k: int, sms: int = 132, silu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight ``[n, k]`` on ``sms`` multiprocessors.
 
@@ -73,16 +94,30 @@ def triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     return _launch(gate_up, weight, True, config, None)
 
 
+def triton_silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor,
+                                config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """silu_linear_partials' GEMV: fp32 partials ``[S, M, 2I]`` of unit stride in 2I."""
+    if partials.dim() != 3 or partials.dtype != torch.float32:
+        raise ValueError(f"silu_linear_partials: partials {tuple(partials.shape)} {partials.dtype}: expected fp32 "
+                         "[S, M, 2I]")
+    return _launch(partials, weight, True, config, weight.dtype)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype) -> torch.Tensor:
-    m = x.shape[0]
+    """x ``[M, K]`` (``[M, 2K]`` for silu), or for silu ``[S, M, 2K]`` partial sums of it."""
+    splits = x.shape[0] if x.dim() == 3 else 1
+    m = x.shape[-2]
     n, k = weight.shape
-    if x.shape[1] != (2 * k if silu else k):
+    if x.shape[-1] != (2 * k if silu else k) or (x.dim() == 3 and not silu):
         raise ValueError(f"linear: the input is {tuple(x.shape)}, the weight {tuple(weight.shape)}")
     out = x.new_empty(m, n, dtype=out_dtype or x.dtype)
     if m:
         block_n, block_k, warps, stages = config or gemv_config(n, k, _multiprocessors(x.device), silu)
+        if splits > 1:  # S partial tiles a K step would not fit shared memory as a pipeline's stages
+            stages = 1
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
-        _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(0), SILU=silu, ROUND_OUT=out.dtype != x.dtype,
+        _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(-2), x.stride(0) if splits > 1 else 0, SILU=silu,
+                           SPLITS=splits, ROUND_IN=x.dtype != weight.dtype, ROUND_OUT=out.dtype != weight.dtype,
                            ROWS=min(16, 1 << (m - 1).bit_length()) if silu else 1, BLOCK_M=16, BLOCK_N=block_n,
                            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
@@ -93,12 +128,24 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, SILU: tl.constexpr, ROUND_OUT: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _summed(ptrs, stride, mask, SPLITS: tl.constexpr):
+    """The SPLITS tensors at ``ptrs + s * stride`` added in order, in fp32."""
+    total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(ptrs + s * stride, mask=mask, other=0.0).to(tl.float32)
+    return total
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.constexpr, SPLITS: tl.constexpr,
+                 ROUND_IN: tl.constexpr, ROUND_OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_N output columns of BLOCK_M rows, over all of K (no split: no second
     pass); the weight tile streams through once, the few x rows come from L2. SILU: x is
     silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two >= the block's
-    rows) and repeated to BLOCK_M for the dot. ROUND_OUT: the fp32 output rounded to x's dtype."""
+    rows) and repeated to BLOCK_M for the dot; the input is the sum of SPLITS partials
+    ``stride_xs`` apart, rounded to the weight's dtype where ROUND_IN. ROUND_OUT: the fp32 output
+    rounded to x's dtype."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     dtype = w_ptr.dtype.element_ty
@@ -109,8 +156,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, SILU: tl.constexpr, 
         if SILU:
             rs = tl.program_id(1) * BLOCK_M + tl.arange(0, ROWS)
             mask = (rs < M)[:, None] & (rk < K)[None, :]
-            gate = tl.load(x_ptr + rs[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + rs[:, None] * stride_xm + K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            rows = x_ptr + rs[:, None] * stride_xm + rk[None, :]
+            gate = _summed(rows, stride_xs, mask, SPLITS)
+            up = _summed(rows + K, stride_xs, mask, SPLITS)
+            if ROUND_IN:
+                gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as torch's F.silu
             xs = (act * up).to(dtype)
             x = tl.reshape(tl.broadcast_to(xs[None, :, :], [BLOCK_M // ROWS, ROWS, BLOCK_K]), [BLOCK_M, BLOCK_K])

@@ -4,8 +4,9 @@ A routed expert runs only on the tokens that chose it: the (token, expert) pairs
 per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts run as one grouped
 GEMM over those blocks.
 
-A bf16 decode MoE layer's Triton path launches 8 kernels: the router's GEMM and its choice, the
-layout (none for one token), the grouped GEMM's two, the combine, and the shared expert's two.
+A bf16 decode MoE layer's Triton path launches 7 kernels (6 for one token): the router's GEMM,
+with the shared expert's gate/up in it, and its choice, the layout (none for one token), the
+grouped GEMM's two, the shared expert's down GEMV and the combine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models import moe_kernels, ops
+from specdec.models import gemv, moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
@@ -57,6 +58,15 @@ class Router(nn.Module):
         if ops.on_triton(x, self.weight) and x.dtype == self.weight.dtype and x.stride(-1) == 1:
             return triton_route(router_logits(x, self.weight), self.e_score_correction_bias, self.cfg)
         return route(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias, self.cfg)
+
+    def route_with(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward's Triton path, multiplying ``extra`` ``[X, D]`` (x's dtype) in the router's launch:
+        (weights, ids, x @ extra^T as partial sums ``[S, T, X]`` fp32, moe_kernels.router_logits').
+        The choice is forward's, bit for bit. For CUDA tensors outside autograd."""
+        partials = router_logits(x, self.weight, extra)
+        experts = self.weight.shape[0]
+        return (*triton_route(partials[..., :experts], self.e_score_correction_bias, self.cfg),
+                partials[..., experts:])
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +136,11 @@ class MoE(CheckpointViews, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
-        weights, ids = self.gate(x)  # [T, k] each
+        fused = self._fuses_shared(x)
+        if fused:  # the shared expert's gate/up in the router's launch, its down GEMV summing the partials
+            weights, ids, shared_gate_up = self.gate.route_with(x, self.shared_experts.gate_up)
+        else:
+            weights, ids = self.gate(x)  # [T, k] each
         num_experts, _, hidden = self.experts_gate_up.shape
         tiles = tiles_for(ids.numel(), num_experts, hidden, self.inter, x.dtype)
         if not ops.on_triton(x, weights, self.experts_gate_up, self.experts_down):
@@ -137,7 +151,28 @@ class MoE(CheckpointViews, nn.Module):
         blocks = layout_for(ids, triton_sort_into_blocks)(ids, num_experts, tiles.block_m)
         per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
                                                blocks, tiles)
-        return triton_combine(per_pair.view(*ids.shape, hidden), self.shared_experts(x))
+        shared = (gemv.silu_linear_partials(shared_gate_up, self.shared_experts.down_proj.weight) if fused
+                  else self.shared_experts(x))
+        return triton_combine(per_pair.view(*ids.shape, hidden), shared)
+
+    def _fuses_shared(self, x: torch.Tensor) -> bool:
+        shared = self.shared_experts.gate_up
+        return (ops.on_triton(x, self.gate.weight, shared, self.experts_gate_up, self.experts_down)
+                and x.dim() == 2 and x.stride(-1) == 1 and self.gate.weight.dtype == shared.dtype == x.dtype
+                and shared_in_router(x.shape[0], x.dtype, shared.shape[0]))
+
+
+SHARED_IN_ROUTER_ROWS = 4  # the most tokens whose shared gate/up rides in the router's kernel
+
+
+def shared_in_router(tokens: int, dtype: torch.dtype, shared_rows: int, sms: int = 132) -> bool:
+    """Whether MoE multiplies the shared expert's gate/up (``shared_rows`` = 2I rows) in the
+    router's kernel, its down GEMV summing the partials (gemv.silu_linear_partials): 16-bit, a
+    decode step of at most SHARED_IN_ROUTER_ROWS tokens (each down program reads S x 2I fp32 a
+    token), and too few rows for the GEMV's 16-row tiles to fill the SMs. The rank slice's
+    (2I = 512): 32 GEMV programs on 132 SMs; in the router's launch 32 x 14 (S = 14 at D = 7168)."""
+    return (dtype in (torch.bfloat16, torch.float16) and tokens <= SHARED_IN_ROUTER_ROWS
+            and -(-shared_rows // 16) < sms)
 
 
 def layout_for(ids: torch.Tensor, kernel: Optional[Callable] = None) -> Callable[..., ExpertBlocks]:

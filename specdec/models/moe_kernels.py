@@ -7,7 +7,7 @@ this layout: the Triton kernels here on a GPU, ``torch.bmm`` in specdec/models/m
 
 A decode step's router and routed experts are six launches, each one kernel where torch takes
 many small ops: :func:`router_logits` (the router's GEMM in partial sums over D, from the 16-bit
-weight), :func:`triton_route` (a program per token sums them and picks its experts),
+weight; the shared expert's gate/up too), :func:`triton_route` (a program per token sums them and picks its experts),
 :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
 kernels of :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in order, plus
 the shared expert's). Kernel 1 gathers a block's token rows of x and multiplies them by its
@@ -26,6 +26,7 @@ The module imports without Triton (CPU-only installs): the layout and the tile c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -253,48 +254,65 @@ ROUTER_CHUNK = 512  # the columns of D one partial sum of the router's logits co
 ROUTER_TILE = 16  # tokens and experts a router program multiplies (tl.dot's minimum)
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The router's GEMM in partial sums over chunks of D, by one kernel (any device Triton runs on,
     its interpreter included): x ``[T, D]`` and weight ``[E, D]`` of one dtype, unit stride in D
     -> ``[S, T, E]`` fp32, S = ceil(D / ROUTER_CHUNK), whose in-order sum over S is x @ weight^T
     (``F.linear(x.float(), weight.float())`` to fp32 rounding: 16-bit products are exact in
     fp32). triton_route sums them, so the router costs no casts and no reduction kernel.
 
-    E.g. D = 7168: S = 14, at T = 1 a grid of 4 x 14 programs each reading 16 KB of the weight.
-    S depends on D alone, so a token's logits have the same bits at any T.
+    ``extra`` ``[X, D]`` (x's dtype, unit stride in D): its products too, as columns E.. of
+    ``[S, T, E + X]``, in the same launch (MoE: the shared expert's gate/up, whose 2I rows alone
+    are too few for a GEMV to fill the SMs). The router's columns have the same bits either way.
+
+    E.g. E = 256, D = 7168: S = 14, at T = 1 a grid of 16 x 14 programs each reading 16 KB of the
+    weight; with the rank slice's shared gate/up (X = 512) 48 x 14. S depends on D alone, so a
+    token's logits have the same bits at any T.
     """
-    if (x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.dtype != x.dtype
-            or x.stride(1) != 1 or weight.stride(1) != 1):
-        raise ValueError(f"router: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}: "
-                         "expected x [T, D] and weight [E, D] of one dtype, unit stride in D")
+    rows = (weight,) if extra is None else (weight, extra)
+    if (x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or w.stride(1) != 1
+                            for w in rows) or x.stride(1) != 1):
+        raise ValueError(f"router: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+                         + ("" if extra is None else f", extra {tuple(extra.shape)} {extra.dtype}")
+                         + ": expected x [T, D] and weights [E, D] (and [X, D]) of one dtype, unit stride in D")
     (tokens, hidden), experts = x.shape, weight.shape[0]
+    more = 0 if extra is None else extra.shape[0]
     splits = triton.cdiv(hidden, ROUTER_CHUNK)
-    out = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
+    out = torch.empty(splits, tokens, experts + more, dtype=torch.float32, device=x.device)
     if tokens:
-        _router_kernel[(triton.cdiv(experts, ROUTER_TILE), splits, triton.cdiv(tokens, ROUTER_TILE))](
-            x, weight, out, tokens, experts, hidden, x.stride(0), weight.stride(0),
+        tiles = triton.cdiv(experts, ROUTER_TILE) + triton.cdiv(more, ROUTER_TILE)
+        other = weight if extra is None else extra
+        _router_kernel[(tiles, splits, triton.cdiv(tokens, ROUTER_TILE))](
+            x, weight, other, out, tokens, experts, more, hidden, x.stride(0), weight.stride(0), other.stride(0),
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK=ROUTER_TILE, BLOCK_K=128,
             CHUNK=ROUTER_CHUNK, num_warps=4)
     return out
 
 
 @_jit
-def _router_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_x, stride_w, PRECISION: tl.constexpr,
-                   BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
-    """out[s, token tile, expert tile] = x[tokens, chunk s] @ w[experts, chunk s]^T."""
-    e_tile, s, t_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _router_kernel(x_ptr, w_ptr, extra_ptr, out_ptr, T, E, X, D, stride_x, stride_w, stride_extra,
+                   PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """out[s, token tile, column tile] = x[tokens, chunk s] @ rows[chunk s]^T: the column tiles
+    of w (columns 0..E) first, then those of extra (columns E..E + X)."""
+    c_tile, s, t_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    in_w = c_tile < tl.cdiv(E, BLOCK)  # selects, not branches: E or X may be a specialised constant
+    first = tl.where(in_w, c_tile, c_tile - tl.cdiv(E, BLOCK)) * BLOCK
+    n_rows = tl.where(in_w, E, X)
+    col0 = tl.where(in_w, 0, E) + first
     rt = t_tile * BLOCK + tl.arange(0, BLOCK)
-    re = e_tile * BLOCK + tl.arange(0, BLOCK)
+    re = first + tl.arange(0, BLOCK)
+    rows = tl.where(in_w, w_ptr + re * stride_w, extra_ptr + re * stride_extra)  # [BLOCK] row starts
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k0 in tl.static_range(0, CHUNK, BLOCK_K):
         rk = s * CHUNK + k0 + tl.arange(0, BLOCK_K)
         k_in = rk < D
         a = tl.load(x_ptr + rt.to(tl.int64)[:, None] * stride_x + rk[None, :], mask=(rt < T)[:, None] & k_in[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + re[None, :] * stride_w + rk[:, None], mask=k_in[:, None] & (re < E)[None, :], other=0.0)
+        w = tl.load(rows[None, :] + rk[:, None], mask=k_in[:, None] & (re < n_rows)[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    out = out_ptr + (s * T + rt.to(tl.int64))[:, None] * E + re[None, :]
-    tl.store(out, acc, mask=(rt < T)[:, None] & (re < E)[None, :])
+    cols = col0 + tl.arange(0, BLOCK)
+    out = out_ptr + (s * T + rt.to(tl.int64))[:, None] * (E + X) + cols[None, :]
+    tl.store(out, acc, mask=(rt < T)[:, None] & (re < n_rows)[None, :])
 
 
 def triton_route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config) -> tuple[torch.Tensor, torch.Tensor]:
