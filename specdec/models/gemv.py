@@ -145,7 +145,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.
     silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two >= the block's
     rows) and repeated to BLOCK_M for the dot; the input is the sum of SPLITS partials
     ``stride_xs`` apart, rounded to the weight's dtype where ROUND_IN. ROUND_OUT: the fp32 output
-    rounded to x's dtype."""
+    rounded to the weight's dtype, then widened (fp32 logits)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     dtype = w_ptr.dtype.element_ty
