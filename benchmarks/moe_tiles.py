@@ -4,10 +4,10 @@
 
 At the rank slice's MoE shapes (E 256, D 7168, I 256, k 8, bf16), for each token count and each
 (N tile, K tile, warps, stages) of either kernel: a CUDA graph of 24 calls, each with its own
-uniform random routing (so the weights rotate past L2), replayed 15 times; the median us a call,
-against the floor of the chosen experts' weight bytes at 4300 GB/s. Also the shared expert's two
+uniform random routing (so the weights rotate past L2), replayed (mla_kernels.graph_time_us); us
+a call, against the floor of the chosen experts' weight bytes at 4300 GB/s. Also the shared expert's two
 GEMVs (gemv.linear, gemv.silu_linear) against a 9th routed block at today's tiles. Compiles run
-first in 16 processes (Triton's disk cache), so a sweep of ~90 configurations takes ~1 minute.
+first in 16 processes (Triton's disk cache), so a sweep of ~90 configurations takes 1-2 minutes.
 Prints each kernel's six best a token count and today's tiles; the CSV has every row.
 """
 
@@ -21,8 +21,10 @@ import statistics
 
 import torch
 
+from benchmarks.mla_kernels import graph_time_us
+
 E, D, I, K = 256, 7168, 256, 8
-CALLS, REPS = 24, 15
+CALLS = 24  # calls in a graph, each with its own routing
 BANDWIDTH = 4.3e12  # B/s: the GEMV sweep's measured read bandwidth (docs/benchmarks.md)
 SMEM = 200_000  # bytes of pipelined tiles a configuration may take
 
@@ -87,27 +89,6 @@ def _warm(job) -> None:
     torch.cuda.synchronize()
 
 
-def graph_us(fns) -> float:
-    """The median us a call of ``fns`` captured in one graph, over REPS replays."""
-    for fn in fns:
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return statistics.median(times)
-
-
 def sweep(token_counts: list[int]) -> list[dict]:
     from specdec.models import moe_kernels as mk
     cfgs = configs()
@@ -123,7 +104,7 @@ def sweep(token_counts: list[int]) -> list[dict]:
         floors = {"gu": blocks * 2 * I * D * 2 / BANDWIDTH * 1e6, "dn": blocks * I * D * 2 / BANDWIDTH * 1e6}
         for cfg in cfgs:
             try:
-                us = graph_us([lambda item=item, c=cfg: launch(c, gu, dn, item) for item in work])
+                us = graph_time_us([lambda item=item, c=cfg: launch(c, gu, dn, item) for item in work])
             except Exception:
                 us = float("inf")
             rows.append({"tokens": tokens, "kernel": cfg[0], "n": cfg[1], "k": cfg[2], "warps": cfg[3],
@@ -148,15 +129,15 @@ def shared_against_a_block() -> None:
     for tokens in (1, 4):
         x = torch.randn(tokens, D, dtype=torch.bfloat16, device="cuda")
         h = gemv.linear(x, gate_up[0])
-        t_gu = graph_us([lambda w=w: gemv.linear(x, w) for w in gate_up])
-        t_dn = graph_us([lambda w=w: gemv.silu_linear(h, w) for w in down])
+        t_gu = graph_time_us([lambda w=w: gemv.linear(x, w) for w in gate_up])
+        t_dn = graph_time_us([lambda w=w: gemv.silu_linear(h, w) for w in down])
         print(f"shared T={tokens}: gate_up GEMV {t_gu:.1f} us, down+silu GEMV {t_dn:.1f} us "
               f"(floor {2 * I * D * 2 / BANDWIDTH * 1e6:.1f} + {I * D * 2 / BANDWIDTH * 1e6:.1f})")
         for top_k in (K, K + 1):
             gu, dn, work = setup(E, tokens, CALLS, seed=7, top_k=top_k)
             t = mk.tiles_for(tokens * K, E, D, I, torch.bfloat16)
-            a = graph_us([lambda it=it: launch(("gu", t.n1, t.k1, t.warps1, t.stages1), gu, dn, it) for it in work])
-            b = graph_us([lambda it=it: launch(("dn", t.n2, t.k2, t.warps2, t.stages2), gu, dn, it) for it in work])
+            a = graph_time_us([lambda it=it: launch(("gu", t.n1, t.k1, t.warps1, t.stages1), gu, dn, it) for it in work])
+            b = graph_time_us([lambda it=it: launch(("dn", t.n2, t.k2, t.warps2, t.stages2), gu, dn, it) for it in work])
             print(f"   grouped at {top_k} choices a token, T={tokens}: gate_up {a:.1f} us, down {b:.1f} us")
             del gu, dn, work
 
