@@ -7,10 +7,10 @@ this layout: the Triton kernels here on a GPU, ``torch.bmm`` in specdec/models/m
 
 A decode step's router and routed experts are six launches, each one kernel where torch takes
 many small ops: :func:`router_logits` (the router's GEMM in partial sums over D, from the 16-bit
-weight; the shared expert's gate/up too), :func:`triton_route` (a program per token sums them and picks its experts),
-:func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
-kernels of :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in order, plus
-the shared expert's). Kernel 1 gathers a block's token rows of x and multiplies them by its
+weight; the shared expert's gate/up too), :func:`triton_route` (a program per token sums them and
+picks its experts), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
+kernels of :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in
+order, plus the shared expert's). Kernel 1 gathers a block's token rows of x and multiplies them by its
 expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row per block row);
 kernel 2 multiplies h by the expert's down projection, scales by the routing weight and writes
 each pair's output at row p of ``[P, D]`` fp32, so the sum over a token's k pairs has a fixed
