@@ -385,35 +385,40 @@ def test_triton_path_under_triton_interpreter():
     pytest.importorskip("triton")
     run_interpreted("""
 import torch
-from specdec.models import moe as moe_module, ops
+from specdec.models import gemv, moe as moe_module, ops
 from test_moe import assert_matches, make_moe, reference
 
 def torch_ran(*args, **kwargs):
     raise AssertionError("the torch path ran")
 
-for dtype in (torch.float32, torch.bfloat16):
-    for tokens, overrides in ((1, {}), (3, {}), (6, {}), (40, dict(num_experts_per_tok=1)),
-                              (5, dict(n_routed_experts=16, num_experts_per_tok=8, n_group=2, topk_group=2))):
-        moe = make_moe(dtype, hidden_size=72, moe_intermediate_size=40, **overrides).eval()
-        with torch.no_grad():  # expert 0 is never chosen, and never read
-            moe.gate.e_score_correction_bias[0] = -10.0
-            moe.experts_gate_up[0].fill_(float("nan"))
-            moe.experts_down[0].fill_(float("nan"))
-        x = torch.randn(tokens, 72, generator=torch.Generator().manual_seed(tokens)).to(dtype)
-        with torch.no_grad():
-            weights, ids = moe.gate(x)
-            saved = (ops.on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch)
-            ops.on_triton = lambda *tensors: True
-            moe_module.route = moe_module.sort_into_blocks = moe_module.grouped_experts_torch = torch_ran
-            got_weights, got_ids = moe.gate(x)
-            if moe_module.shared_in_router(tokens, dtype, moe.shared_experts.gate_up.shape[0]):  # in the router's
-                moe.shared_experts.forward = torch_ran
-            got = moe(x)
-            ops.on_triton, moe_module.route, moe_module.sort_into_blocks, moe_module.grouped_experts_torch = saved
-        assert torch.equal(got_ids, ids)
-        torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
-        assert got.dtype == dtype and got.shape == x.shape
-        assert_matches(got, reference(moe, x, weights, ids), dtype)
+cases = [(dtype, tokens, 72, overrides) for dtype in (torch.float32, torch.bfloat16)
+         for tokens, overrides in ((1, {}), (3, {}), (6, {}), (40, dict(num_experts_per_tok=1)),
+                                   (5, dict(n_routed_experts=16, num_experts_per_tok=8, n_group=2, topk_group=2)))]
+cases.append((torch.bfloat16, 2, 1100, {}))  # the router's partials over three chunks of D
+for dtype, tokens, hidden, overrides in cases:
+    moe = make_moe(dtype, hidden_size=hidden, moe_intermediate_size=40, **overrides).eval()
+    with torch.no_grad():  # expert 0 is never chosen, and never read
+        moe.gate.e_score_correction_bias[0] = -10.0
+        moe.experts_gate_up[0].fill_(float("nan"))
+        moe.experts_down[0].fill_(float("nan"))
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        saved = (ops.on_triton, gemv.on_triton, moe_module.route, moe_module.sort_into_blocks,
+                 moe_module.grouped_experts_torch, gemv.summed_in_order)
+        ops.on_triton = gemv.on_triton = lambda *tensors: True
+        moe_module.route = moe_module.sort_into_blocks = moe_module.grouped_experts_torch = torch_ran
+        gemv.summed_in_order = torch_ran  # the partials' torch sum: the GEMV adds them as it loads
+        got_weights, got_ids = moe.gate(x)
+        if moe_module.shared_in_router(tokens, dtype, moe.shared_experts.gate_up.shape[0]):  # in the router's
+            moe.shared_experts.forward = torch_ran
+        got = moe(x)
+        (ops.on_triton, gemv.on_triton, moe_module.route, moe_module.sort_into_blocks,
+         moe_module.grouped_experts_torch, gemv.summed_in_order) = saved
+    assert torch.equal(got_ids, ids)
+    torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_matches(got, reference(moe, x, weights, ids), dtype)
 print("ok")
 """)
 
