@@ -61,18 +61,25 @@ def _torch_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 @_jit
-def _scaled(w_ptrs, normed, mask, DTYPE: tl.constexpr):
-    """weight * normed.to(DTYPE), as torch rounds it: the fp32 product of the two DTYPE values."""
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+def _weight(w_ptrs, mask):
+    """A norm's weight as fp32, loaded first in a kernel: a load after the row's stores and
+    reduction would wait for them (the pointers may alias), one more memory round trip."""
+    return tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@_jit
+def _scaled(w, normed, DTYPE: tl.constexpr):
+    """weight * normed.to(DTYPE), as torch rounds it: the fp32 product of the two DTYPE values
+    (w: the weight as _weight loads it)."""
     return (w * normed.to(DTYPE).to(tl.float32)).to(DTYPE)
 
 
 @_jit
-def _normed_row(x, w_ptrs, mask, D, eps, DTYPE: tl.constexpr):
-    """rms_norm of one row ``x [BLOCK]`` (zeros past D) times the weight, in DTYPE."""
+def _normed_row(x, w, D, eps, DTYPE: tl.constexpr):
+    """rms_norm of one row ``x [BLOCK]`` (zeros past D) times the weight w (_weight), in DTYPE."""
     f = x.to(tl.float32)
     normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / D + eps)
-    return _scaled(w_ptrs, normed, mask, DTYPE)
+    return _scaled(w, normed, DTYPE)
 
 
 @_jit
@@ -81,12 +88,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, st
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
+    w = _weight(w_ptr + cols, mask)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * D + cols, x, mask=mask)
-    tl.store(out_ptr + row * D + cols, _normed_row(x, w_ptr + cols, mask, D, eps, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * D + cols, _normed_row(x, w, D, eps, out_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------- MTP input
@@ -125,15 +133,16 @@ def _mtp_input_kernel(ids_ptr, table_ptr, hidden_ptr, ew_ptr, hw_ptr, out_ptr, V
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
+    ew, hw = _weight(ew_ptr + cols, mask), _weight(hw_ptr + cols, mask)
     token = tl.load(ids_ptr + t * stride_ids)
     known = (token >= 0) & (token < V)
     row = tl.where(known, token, 0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     out = out_ptr + t.to(tl.int64) * (2 * D)
     embedded = tl.load(table_ptr + row * stride_table + cols, mask=mask & known, other=0.0)
-    tl.store(out + cols, _normed_row(embedded, ew_ptr + cols, mask, D, e_eps, dtype), mask=mask)
+    tl.store(out + cols, _normed_row(embedded, ew, D, e_eps, dtype), mask=mask)
     h = tl.load(hidden_ptr + t.to(tl.int64) * stride_hidden + cols, mask=mask, other=0.0)
-    tl.store(out + D + cols, _normed_row(h, hw_ptr + cols, mask, D, h_eps, dtype), mask=mask)
+    tl.store(out + D + cols, _normed_row(h, hw, D, h_eps, dtype), mask=mask)
 
 
 # --------------------------------------------------------------------------- silu * up
@@ -249,13 +258,15 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
     KV_ROWS rows writes nothing), else to row t."""
     t = tl.program_id(0)
     row = qkv_ptr + t * stride_qkv
+    lat = tl.arange(0, LATENT)
+    kv_w = _weight(kvw_ptr + lat, lat < LATENT)
     if HAS_Q_NORM:
         cols = tl.arange(0, Q_BLOCK)
         mask = cols < Q_RANK
+        q_w = _weight(qw_ptr + cols, mask)
         f = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
         normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / Q_RANK + eps)
-        tl.store(q_ptr + t * Q_RANK + cols, _scaled(qw_ptr + cols, normed, mask, q_ptr.dtype.element_ty), mask=mask)
-    lat = tl.arange(0, LATENT)
+        tl.store(q_ptr + t * Q_RANK + cols, _scaled(q_w, normed, q_ptr.dtype.element_ty), mask=mask)
     f = tl.load(row + Q_RANK + lat).to(tl.float32)
     normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / LATENT + eps)
     slot = t.to(tl.int64)
@@ -263,7 +274,7 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
         slot = tl.load(slots_ptr + t).to(tl.int64)
     inside = (slot >= 0) & (slot < KV_ROWS)
     out = kv_ptr + slot * stride_kv
-    tl.store(out + lat, _scaled(kvw_ptr + lat, normed, lat < LATENT, kv_ptr.dtype.element_ty), mask=inside)
+    tl.store(out + lat, _scaled(kv_w, normed, kv_ptr.dtype.element_ty), mask=inside)
     idx = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + t * HALF + idx)
     sin = tl.load(sin_ptr + t * HALF + idx)
