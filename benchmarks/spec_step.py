@@ -166,10 +166,8 @@ def main() -> None:
 
 @torch.inference_mode()
 def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
-    """Capture every default bucket up to max_bs (three kinds of graph each, joined per step);
+    """Capture every default bucket up to max_bs (one graph of the step's three stages each);
     prints time and pool memory."""
-    from graphs.runner import GRAPH_KINDS
-
     cfg = SpecConfig(num_steps=3, attention_backend=backend, draft_mode="standalone", kv_dtype="bf16", page_size=64,
                      max_batch_size=max_bs, max_context_len=128 * ((prompt_len + 256 + 127) // 128))
     worker = EagleWorker(target, StandaloneDraft(target), cfg)
@@ -177,7 +175,7 @@ def capture_all(target, backend: str, max_bs: int, prompt_len: int) -> None:
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     runner = worker.capture_graphs(progress=False)
-    print(f"# {backend}: captured {len(GRAPH_KINDS) * len(runner.captured)} graphs for buckets {runner.buckets} in "
+    print(f"# {backend}: captured {len(runner.captured)} graphs for buckets {runner.buckets} in "
           f"{runner.capture_seconds:.2f} s, {(torch.cuda.memory_allocated() - before) / 2**20:.0f} MiB", flush=True)
 
 

@@ -1,6 +1,7 @@
-"""CUDA graphs of the spec step, three kinds per batch-size bucket: the multi-step draft (ending in
-the verify tree), verify (+ accept, KV commit, the copy of the step's report to the host and its
-event record) and draft-extend (+ the next state written back into the static inputs).
+"""CUDA graphs of the spec step, one a batch-size bucket, of its three stages (GRAPH_KINDS): the
+multi-step draft (ending in the verify tree), verify (+ accept, KV commit, the copy of the step's
+report to the host and its event record) and draft-extend (+ the next state written back into the
+static inputs).
 
 The runner knows the step only through specdec.step.SpecStep's interface: its three stages
 (draft, verify_and_accept, draft_extend), backends, state_template, kv_len_buckets and
@@ -8,16 +9,17 @@ plan_passes_on_host. A bucket's step is captured once more per kv bound its back
 contexts for (e.g. triton_mla's latency-bound narrow tiles); a step replays the graphs of the
 smallest bound holding its longest request, else those planned for the longest context.
 
-Each kind is a graph of its own, replayable alone (``replay(bucket, kind)``); a step launches the
-three as child nodes of one executable graph (graphs.joined): one launch. One set of static
+A bucket's three stages are captured in order into one graph: a step is one launch. (Joined as
+child-graph nodes of one executable graph, three graphs of their own each, they replayed with
+wider gaps between kernels: docs/benchmarks.md, "Launch gaps in CUDA graphs".) One set of static
 inputs at the largest bucket; every bucket's graphs (captured largest first, in one memory pool)
 read its first ``bs`` rows. A live batch is copied into the first rows of the next bucket up;
 padded rows point at the pool's padding row with N = 0, so they touch no real KV or output.
 While the batch runs unchanged the running state is a view of the static inputs: a step is one
 launch. Backends that plan on the host (``needs_cpu_seq_lens``) are planned from host lengths
 before each launch; those that cannot be captured are refused. Randomness comes from
-counter-based hashes (specdec.sampling), not a torch generator, whose offsets a joined launch
-would not advance.
+counter-based hashes (specdec.sampling), not a torch generator, whose offsets a replay would
+not advance.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import numpy as np
 import torch
 
 from attn.values import int_list
-from graphs.joined import JoinedGraph
 from specdec.accept import AcceptResult
 from specdec.device import on_device
 from specdec.guard import CallGuard, exclusive
@@ -92,17 +93,16 @@ GRAPH_KINDS = ("draft", "verify", "draft_extend")  # SpecStep.draft, .verify_and
 
 @dataclass
 class _Captured:
-    """A bucket's graphs (GRAPH_KINDS order) for one kv bound, their joined step, and the stages'
-    outputs (``draft``: tree; ``verify``: result, hidden), which live in graph memory."""
+    """A bucket's step for one kv bound (its GRAPH_KINDS stages in one graph) and the stages'
+    outputs (``tree``; ``result``, ``hidden``), which live in graph memory."""
 
-    graphs: dict[str, torch.cuda.CUDAGraph]
-    step: JoinedGraph
+    graph: torch.cuda.CUDAGraph
     outputs: dict[str, object]
 
 
 class GraphRunner:
-    """Captures a SpecStep's three stages as GRAPH_KINDS graphs per batch-size bucket and kv bound and
-    replays a step as one launch of all three. Built by ``EagleWorker.capture_graphs``, which
+    """Captures a SpecStep's three stages (GRAPH_KINDS) as one graph per batch-size bucket and kv
+    bound and replays a step as one launch. Built by ``EagleWorker.capture_graphs``, which
     holds it and passes it each step's live inputs (run)."""
 
     def __init__(self, step: SpecStep, batch_sizes: Optional[list[int]] = None, eager_fallback: bool = False,
@@ -122,8 +122,7 @@ class GraphRunner:
                                "step's copy to the host; finish_step(worker.in_flight) first")
         if step.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the worker runs on {step.device}")
-        # That allocator captures allocations as graph nodes, which a child graph (joined.py) must
-        # not hold; Triton also refused its pointers at the first capture. (A CPU-only torch, which
+        # Triton refused that allocator's pointers at the first capture. (A CPU-only torch, which
         # tests give a stand-in CUDA step, has no allocator to ask.)
         if torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
             raise ValueError("GraphRunner needs PyTorch's native CUDA allocator, not cudaMallocAsync: drop "
@@ -209,8 +208,8 @@ class GraphRunner:
 
     def _capture(self, bs: int, kv_bound: Optional[int], stream: torch.cuda.Stream) -> _Captured:
         """The step over the first ``bs`` rows of the static inputs, its passes planned for
-        ``kv_bound``, as GRAPH_KINDS graphs captured on the side stream ``stream``, after running it
-        once there (lazy inits, autotuning, JIT)."""
+        ``kv_bound``, its GRAPH_KINDS stages captured in order into one graph on the side stream
+        ``stream``, after running it once there (lazy inits, autotuning, JIT)."""
         inputs = self.static.view(bs)
         stages, outputs = self._stages(inputs, kv_bound)
         if self.host_planned:
@@ -220,12 +219,11 @@ class GraphRunner:
             for body in stages.values():
                 body()
         torch.cuda.current_stream().wait_stream(stream)
-        graphs = {}
-        for kind, body in stages.items():  # the stages' outputs stay referenced: later graphs read them
-            graphs[kind] = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graphs[kind], pool=self.pool, stream=stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            for body in stages.values():
                 body()
-        return _Captured(graphs, JoinedGraph(list(graphs.values()), self.device), outputs)
+        return _Captured(graph, outputs)
 
     def kv_bound(self, bucket: int, longest: int) -> Optional[int]:
         """The kv bound whose graphs serve a batch in ``bucket`` whose longest request has N =
@@ -264,14 +262,9 @@ class GraphRunner:
         return result, state, tree
 
     @exclusive
-    def replay(self, bucket: int, kind: Optional[str] = None, kv_bound: Optional[int] = None) -> None:
-        """The bucket's step for ``kv_bound`` (all kinds, one launch) or one kind of graph alone, on
-        the static inputs as they are; kinds replayed alone must come in GRAPH_KINDS order."""
-        cap = self.captured[bucket, kv_bound]
-        if kind is None:
-            cap.step.launch()
-        else:
-            cap.graphs[kind].replay()
+    def replay(self, bucket: int, kv_bound: Optional[int] = None) -> None:
+        """The bucket's step for ``kv_bound`` (one launch), on the static inputs as they are."""
+        self.captured[bucket, kv_bound].graph.replay()
 
     def _make_views(self, b: int, bucket: int, kv_bound: Optional[int]) -> tuple:
         out, rows = self.captured[bucket, kv_bound].outputs, slice(0, b)

@@ -210,11 +210,9 @@ def test_a_replaced_state_field_reaches_the_graphs():
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 6)])
 @pytest.mark.parametrize("batch", [3, 4])  # padded and exact bucket
-@pytest.mark.parametrize("joined", [True, False])
-def test_replay_equals_eager_bitwise(backend, topk, ndt, batch, joined):
-    """Each kind of graph replayed alone, and the three joined into one launch, give the
-    eager pass's outputs bitwise: the draft tree (draft), the accept result (verify) and the
-    next state (draft-extend)."""
+def test_replay_equals_eager_bitwise(backend, topk, ndt, batch):
+    """A replayed step gives each stage's eager outputs bitwise: the draft tree (draft), the
+    accept result (verify) and the next state (draft-extend)."""
     _skip_trees_without_masks(backend, topk)
     target, worker = gpu_worker(backend, topk=topk, ndt=ndt)
     runner = worker.capture_graphs([1, 2, 4], progress=False)
@@ -229,16 +227,8 @@ def test_replay_equals_eager_bitwise(backend, topk, ndt, batch, joined):
     result, state, tree = worker.spec_step.run(DecodeState.of(padded), padded["target_rows"], padded["draft_rows"])
     expected = {kind: [t[:batch].clone() for t in vars(part).values()]
                 for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
-    if joined:
-        result, state, tree = runner.run(st, trows, drows, host_seq_lens(worker))
-        got = {kind: list(vars(part).values()) for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
-    else:
-        runner.static.fill(live, 4)
-        outputs, got = runner.captured[4, None].outputs, {}
-        for kind in GRAPH_KINDS:
-            runner.replay(4, kind)
-            part = {"draft": outputs["tree"], "verify": outputs["result"], "draft_extend": DecodeState.of(runner.static.view(4))}[kind]
-            got[kind] = [t[:batch].clone() for t in vars(part).values()]
+    result, state, tree = runner.run(st, trows, drows, host_seq_lens(worker))
+    got = {kind: list(vars(part).values()) for kind, part in zip(GRAPH_KINDS, (tree, result, state))}
     for kind in GRAPH_KINDS:
         assert len(got[kind]) == len(expected[kind])
         for e, g in zip(expected[kind], got[kind]):
@@ -291,7 +281,7 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
     worker.finish_step(in_flight)
     with pytest.raises(ValueError, match="batch_sizes is empty"):  # not the default buckets
         worker.capture_graphs([], progress=False)
-    # Refused under cudaMallocAsync: Triton refuses its pointers in a capture, and child graphs refuse allocations.
+    # Refused under cudaMallocAsync: Triton refuses its pointers in a capture.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
         with pytest.raises(ValueError, match="native CUDA allocator, not cudaMallocAsync"):
@@ -324,8 +314,8 @@ def test_runner_misuse_is_refused_and_results_are_the_steps_own():
 @pytest.mark.parametrize("graphs", [False, True])
 def test_steps_from_a_thread_that_has_done_no_gpu_work(graphs):
     """Steps from an engine's scheduler thread decode target-only greedy tokens: in a step of an
-    unchanged batch the joined graph's launch is the thread's first GPU work, so the worker makes
-    its device's context current (without one, the driver call fails with CUresult 201)."""
+    unchanged batch the graph's launch is the thread's first GPU work, so the worker makes its
+    device's context current."""
     import threading
 
     target, worker = gpu_worker("triton_mla")
@@ -406,7 +396,7 @@ def test_steps_switch_kv_bounds_as_requests_grow_and_stay_lossless():
     assert bound in runner.kv_bounds[1] and runner.kv_bounds[1][-1] is None
     replayed = []
     replay = runner.replay
-    runner.replay = lambda bucket, kind=None, kv_bound=None: (replayed.append((bucket, kv_bound)), replay(bucket, kind, kv_bound))
+    runner.replay = lambda bucket, kv_bound=None: (replayed.append((bucket, kv_bound)), replay(bucket, kv_bound))
     prompt = torch.randint(0, VOCAB, (bound - 25,), generator=torch.Generator().manual_seed(7)).tolist()
     groups = [([prompt], 60)]
     outputs, _ = run_to_completion(worker, groups)
