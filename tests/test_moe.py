@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from interpreted import run_interpreted
-from specdec.models import gemv, moe as moe_module
+from specdec.models import gemv, moe as moe_module, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.moe import MoE, route
 from specdec.models.moe_kernels import LAYOUT_MAX_PAIRS, max_blocks, sort_into_blocks, tiles_for
@@ -202,6 +202,20 @@ def test_empty_batch():
         assert moe(torch.randn(0, 64)).shape == (0, 64)
 
 
+def test_combine_refuses_a_norm_of_other_shapes():
+    """The combine's norm takes a weight [D] and a residual [T, D] of the output's dtype; others
+    are refused before any launch."""
+    from specdec.models.moe_kernels import triton_combine
+
+    per_pair, shared = torch.zeros(2, 8, 64), torch.zeros(2, 64, dtype=torch.bfloat16)
+    for weight, residual in ((torch.ones(32, dtype=torch.bfloat16), None),
+                             (torch.ones(64), None),
+                             (torch.ones(64, dtype=torch.bfloat16), torch.zeros(3, 64, dtype=torch.bfloat16)),
+                             (torch.ones(64, dtype=torch.bfloat16), torch.zeros(2, 64))):
+        with pytest.raises(ValueError, match="combine's norm"):
+            triton_combine(per_pair, shared, ops.AddNorm(residual, weight, 1e-6))
+
+
 def test_backward_matches_reference():
     """The torch path trains: gradients of x, the experts and the router as the reference's."""
     moe = make_moe(n_routed_experts=4, n_group=2, topk_group=1)
@@ -381,7 +395,8 @@ print("ok")
 def test_triton_path_under_triton_interpreter():
     """The whole MoE forward on its Triton path (the CUDA check patched; the torch router, layout
     and grouped GEMM made to fail; at 16-bit decode sizes the shared expert's own forward too, its
-    gate/up in the router's kernel) against the per-token reference of the torch router's choice."""
+    gate/up in the router's kernel) against the per-token reference of the torch router's choice;
+    with the next norm in the combine kernel (ops.AddNorm), equal to the norm's own kernel."""
     pytest.importorskip("triton")
     run_interpreted("""
 import torch
@@ -413,12 +428,18 @@ for dtype, tokens, hidden, overrides in cases:
         if moe_module.shared_in_router(tokens, dtype, moe.shared_experts.gate_up.shape[0]):  # in the router's
             moe.shared_experts.forward = torch_ran
         got = moe(x)
+        residual = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
+        norm = (torch.rand(hidden, generator=torch.Generator().manual_seed(8)) + 0.5).to(dtype)
+        fused = [moe(x, then=ops.AddNorm(r, norm, 1e-6)) for r in (residual, None)]  # in the combine kernel
+        unfused = [ops.rms_norm(got, norm, 1e-6, r) for r in (residual, None)]  # its own kernel
         (ops.on_triton, gemv.on_triton, moe_module.route, moe_module.sort_into_blocks,
          moe_module.grouped_experts_torch, gemv.summed_in_order) = saved
     assert torch.equal(got_ids, ids)
     torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
     assert got.dtype == dtype and got.shape == x.shape
     assert_matches(got, reference(moe, x, weights, ids), dtype)
+    for (normed, h), (want_normed, want_h) in zip(fused, unfused):
+        assert torch.equal(normed, want_normed) and torch.equal(h, want_h)
 print("ok")
 """)
 
@@ -428,24 +449,27 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 KERNELS = ("_router_kernel", "_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel")
 
 
-def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter):
+class _Recorder:
+    """A kernel's stand-in that appends each launch (kernel, args, kwargs) to ``launches``."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel = kernel.kernel if isinstance(kernel, _Recorder) else kernel  # one already there: its kernel
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter, then=False):
     """The (kernel, args, constexprs and options) that MoE.forward's Triton path launches, for CPU
     stand-ins of the inputs (weights broadcast from one row: only shapes, strides and dtypes reach
-    the compile); a prefill's layout is the torch ops', no launch."""
+    the compile); a prefill's layout is the torch ops', no launch. then: the combine with the next
+    norm (a decoder layer's at tp 1)."""
     from specdec.models import moe_kernels
 
     launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
-    for name in KERNELS:
-        monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name)))
-    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder(gemv._gemv_kernel))
+    for module, name in [*((moe_kernels, name) for name in KERNELS), (gemv, "_gemv_kernel")]:
+        monkeypatch.setattr(module, name, _Recorder(getattr(module, name), launches))
     cfg = DeepseekV3Config(n_routed_experts=experts, n_group=8, topk_group=4, num_experts_per_tok=top_k)
     x = torch.empty(tokens, hidden, dtype=dtype)
     fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
@@ -462,7 +486,8 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter)
                                            torch.rand(tokens, top_k), layout(ids, experts, tiles.block_m), tiles)
     if shared is not None:
         gemv.triton_silu_linear_partials(partials[..., experts:], torch.empty(hidden, inter, dtype=dtype))
-    moe_kernels.triton_combine(per_pair.view(tokens, top_k, hidden), torch.empty(tokens, hidden, dtype=dtype))
+    norm = ops.AddNorm(torch.empty(tokens, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype), 1e-6) if then else None
+    moe_kernels.triton_combine(per_pair.view(tokens, top_k, hidden), torch.empty(tokens, hidden, dtype=dtype), norm)
     return launches
 
 
@@ -509,7 +534,8 @@ def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
     names = [kernel.fn.__name__ for kernel, _, _ in launches]
     want = [name for name in KERNELS if tokens * 8 <= LAYOUT_MAX_PAIRS or name != "_layout_kernel"]
     assert names == want[:-1] + ["_gemv_kernel"] * fused + want[-1:]
-    for name, launch in zip(names, launches):
+    combine_with_norm = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter, then=True)[-1]
+    for name, launch in [*zip(names, launches), ("_combine_kernel", combine_with_norm)]:
         compiled = compile_for_sm90(*launch)
         if name in ("_gate_up_kernel", "_down_kernel"):
             assert "cp.async" in compiled.asm["ptx"]
@@ -546,7 +572,8 @@ def test_triton_path_on_gpu(monkeypatch, dtype):
 @requires_cuda
 def test_kernels_match_the_torch_path_on_gpu():
     """On the GPU, each new kernel against the torch path's ops on the same CUDA inputs: the
-    router's choice and the layout exactly, the combine bit for bit (the GPU rounds as torch)."""
+    router's choice and the layout exactly, the combine bit for bit (the GPU rounds as torch), and
+    with the next norm the norm kernel's bits."""
     from specdec.models.moe_kernels import router_logits as router_gemm
     from specdec.models.moe_kernels import triton_combine, triton_route, triton_sort_into_blocks
 
@@ -575,7 +602,13 @@ def test_kernels_match_the_torch_path_on_gpu():
     routed = per_pair[:, 0].clone()
     for j in range(1, 8):
         routed += per_pair[:, j]
-    assert torch.equal(triton_combine(per_pair, shared), routed.bfloat16() + shared)
+    out = triton_combine(per_pair, shared)
+    assert torch.equal(out, routed.bfloat16() + shared)
+    residual = torch.randn(64, 7168, generator=gen).to("cuda", torch.bfloat16)
+    weight = torch.rand(7168, generator=gen).to("cuda", torch.bfloat16)
+    for r in (residual, None):  # the next norm in the same launch: its own kernel's bits
+        got, want = triton_combine(per_pair, shared, ops.AddNorm(r, weight, 1e-6)), ops.rms_norm(out, weight, 1e-6, r)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu

@@ -124,6 +124,11 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x): the residual add fused into the norm (None: x alone)."""
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
+    def after(self, residual: Optional[torch.Tensor]) -> ops.AddNorm:
+        """This norm of ``residual`` + a sublayer's output, for the sublayer to compute in its own
+        last kernel where it can (ops.AddNorm): ``after(r)(x) == residual(x, r)``."""
+        return ops.AddNorm(residual, self.weight, self.eps)
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin of the 64 rope dims at given positions, with YaRN frequency blending."""
@@ -238,7 +243,9 @@ class MLAttention(CheckpointViews, nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is MoE per config.is_moe_layer.
-    Under tensor parallelism each of the two sums its ranks' parts in one all-reduce.
+    Under tensor parallelism each of the two sums its ranks' parts in one all-reduce. The norm after
+    the layer is the next one's input norm (or the model's final norm), which the MLP computes in
+    its own last kernel where it can (ops.AddNorm): its input norm is the layer before's.
 
     layer_idx: position in the checkpoint (decides dense vs MoE); kv_layer_id: the KV pool layer
     its attention reads and writes (the MTP layer uses 0 of the draft's own pool); attention: its
@@ -258,14 +265,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                backend, batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) ``[T, D]`` each -> the same after this layer; the stream's value is
-        x + residual (residual None: x alone), so each residual add fuses into the next norm."""
-        h, residual = self.input_layernorm.residual(x, residual)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend,
+                batch: AttnBatch, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) ``[T, D]`` each: the stream (residual) and its input norm (h =
+        input_layernorm(residual)) -> the same after this layer, h by ``next_norm``."""
         attn = self.parallel.all_reduce(self.self_attn(h, rope, backend, batch))
         h, residual = self.post_attention_layernorm.residual(attn, residual)
-        return self.parallel.all_reduce(self.mlp(h)), residual
+        if self.parallel.size == 1:
+            return self.mlp(h, then=next_norm.after(residual))
+        return next_norm.residual(self.parallel.all_reduce(self.mlp(h)), residual)
 
 
 # ------------------------------------------------------------------------------------- models
@@ -322,10 +330,12 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, batch: AttnBatch) -> torch.Tensor:
         check_inputs(input_ids, positions, self.config.vocab_size)
         rope = self.rotary(positions)
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, backend, batch)
-        return self.model.norm.residual(x, residual)[0]
+        layers = self.model.layers
+        h, residual = layers[0].input_layernorm.residual(self.model.embed_tokens(input_ids), None)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = layer(h, residual, rope, backend, batch, next_norm)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32 (every rank's vocabulary slice, gathered)."""

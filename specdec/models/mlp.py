@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from specdec.models import gemv
+from specdec.models import gemv, ops
 from specdec.models.packing import CheckpointViews, row_views
 
 
@@ -29,6 +29,7 @@ class MLP(CheckpointViews, nn.Module):
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         return row_views(self.gate_up, {"gate_proj.weight": self.inter, "up_proj.weight": self.inter})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``."""
-        return gemv.silu_linear(gemv.linear(x, self.gate_up), self.down_proj.weight)
+    def forward(self, x: torch.Tensor, then: Optional[ops.AddNorm] = None):
+        """x ``[T, D]`` -> ``[T, D]``; given ``then``, then(that): (norm, h) ``[T, D]`` each."""
+        out = gemv.silu_linear(gemv.linear(x, self.gate_up), self.down_proj.weight)
+        return out if then is None else then(out)

@@ -134,8 +134,9 @@ class MoE(CheckpointViews, nn.Module):
             views[f"experts.{e}.down_proj.weight"] = self.experts_down[e]
         return views
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``."""
+    def forward(self, x: torch.Tensor, then: Optional[ops.AddNorm] = None):
+        """x ``[T, D]`` -> ``[T, D]``; given ``then``, then(that): (norm, h) ``[T, D]`` each, the
+        combine kernel's (one launch for both) on the Triton path."""
         fused = self._fuses_shared(x)
         if fused:  # the shared expert's gate/up in the router's launch, its down GEMV summing the partials
             weights, ids, shared_gate_up = self.gate.route_with(x, self.shared_experts.gate_up)
@@ -147,13 +148,14 @@ class MoE(CheckpointViews, nn.Module):
             blocks = layout_for(ids)(ids, num_experts, tiles.block_m)
             per_pair = grouped_experts_torch(x, self.experts_gate_up, self.experts_down, weights, blocks)
             routed = per_pair.view(*ids.shape, hidden).sum(1)  # [T, k, D] -> [T, D], fp32
-            return routed.to(x.dtype) + self.shared_experts(x)
+            out = routed.to(x.dtype) + self.shared_experts(x)
+            return out if then is None else then(out)
         blocks = layout_for(ids, triton_sort_into_blocks)(ids, num_experts, tiles.block_m)
         per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
                                                blocks, tiles)
         shared = (gemv.silu_linear_partials(shared_gate_up, self.shared_experts.down_proj.weight) if fused
                   else self.shared_experts(x))
-        return triton_combine(per_pair.view(*ids.shape, hidden), shared)
+        return triton_combine(per_pair.view(*ids.shape, hidden), shared, then)
 
     def _fuses_shared(self, x: torch.Tensor) -> bool:
         shared = self.shared_experts.gate_up

@@ -32,6 +32,7 @@ import torch
 
 from attn.base import const_arange
 from specdec.models.config import DeepseekV3Config
+from specdec.models.ops import AddNorm, norm_weight, normed_row, row_launch
 from specdec.triton_lang import jit as _jit, tl, triton  # without Triton the torch path in moe.py serves
 
 
@@ -499,37 +500,65 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, row_pair_ptr, block_expert_p
 
 
 # ---------------------------------------------------------------------------- combine
-def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor, then: Optional[AddNorm] = None):
     """Each token's routed output plus the shared expert's, by one kernel (any device Triton runs
     on, its interpreter included).
 
     per_pair ``[T, k, D]`` fp32 (grouped_experts' output viewed per token), shared ``[T, D]`` in the
     model's dtype, both of unit stride in D -> ``[T, D]`` in shared's dtype: the k rows summed in
     order in fp32 (the same bits for the same inputs), rounded to the dtype, then plus shared and
-    rounded again, as torch's ``routed.to(dtype) + shared``.
+    rounded again, as torch's ``routed.to(dtype) + shared``. Given ``then`` (its residual and
+    weight of unit stride and shared's dtype, or None residual), ``then(out)`` in the same launch,
+    a program a token with rms_norm's tile and warps: the bits of ops.rms_norm's kernel on out.
     """
     tokens, top_k, hidden = per_pair.shape
     if (per_pair.dtype != torch.float32 or tuple(shared.shape) != (tokens, hidden) or per_pair.stride(2) != 1
             or shared.stride(1) != 1):
         raise ValueError(f"per_pair {tuple(per_pair.shape)} {per_pair.dtype}, shared {tuple(shared.shape)}: "
                          "expected fp32 [T, k, D] and [T, D], unit stride in D")
+    residual = None if then is None else then.residual
+    if then is not None and (tuple(then.weight.shape) != (hidden,) or then.weight.dtype != shared.dtype or (
+            residual is not None and (tuple(residual.shape) != (tokens, hidden) or residual.stride(1) != 1
+                                      or residual.dtype != shared.dtype))):
+        raise ValueError(f"combine's norm: weight {tuple(then.weight.shape)} {then.weight.dtype}, residual "
+                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: expected [{hidden}] "
+                         f"and [{tokens}, {hidden}] of unit stride, {shared.dtype}")
     out = torch.empty(tokens, hidden, dtype=shared.dtype, device=shared.device)
+    normed = h = out
+    if then is not None:
+        normed = torch.empty_like(out)
+        h = out if residual is None else torch.empty_like(out)
     if tokens:
-        block = min(1024, _pow2(hidden))
-        _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-            per_pair, shared, out, hidden, per_pair.stride(0), per_pair.stride(1), shared.stride(0),
-            TOP_K=top_k, BLOCK=block)
-    return out
+        launch = {"BLOCK": min(1024, _pow2(hidden))} if then is None else row_launch(hidden)
+        _combine_kernel[(tokens, triton.cdiv(hidden, launch["BLOCK"]))](
+            per_pair, shared, out, residual if residual is not None else out, h, then.weight if then else out, normed,
+            0.0 if then is None else then.eps, hidden, per_pair.stride(0), per_pair.stride(1), shared.stride(0),
+            0 if residual is None else residual.stride(0), TOP_K=top_k, NORM=then is not None,
+            HAS_RESIDUAL=residual is not None, **launch)
+    return out if then is None else (normed, h)
 
 
 @_jit
-def _combine_kernel(pair_ptr, shared_ptr, out_ptr, D, stride_token, stride_choice, stride_shared,
-                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(pair_ptr, shared_ptr, out_ptr, res_ptr, h_ptr, w_ptr, normed_ptr, eps, D, stride_token,
+                    stride_choice, stride_shared, stride_res, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """NORM: one program a token (BLOCK >= D); then h = out + residual (rounded) and normed =
+    rms_norm(h) * weight, as ops' rms_norm kernel computes them."""
     t, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
+    if NORM:
+        w = norm_weight(w_ptr + cols, mask)
     routed = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         routed += tl.load(pair_ptr + t * stride_token + j * stride_choice + cols, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     shared = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + cols, (routed.to(dtype).to(tl.float32) + shared).to(dtype), mask=mask)
+    out = (routed.to(dtype).to(tl.float32) + shared).to(dtype)
+    if NORM:
+        if HAS_RESIDUAL:
+            out = (out.to(tl.float32) + tl.load(res_ptr + t * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+            out = out.to(dtype)
+        tl.store(h_ptr + t * D + cols, out, mask=mask)
+        tl.store(normed_ptr + t * D + cols, normed_row(out, w, D, eps, dtype), mask=mask)
+    else:
+        tl.store(out_ptr + t * D + cols, out, mask=mask)

@@ -96,8 +96,8 @@ class DeepseekMTP(nn.Module):
         if hidden_in.shape != (input_ids.shape[0], self.config.hidden_size):
             raise ValueError(f"hidden_in must be [T={input_ids.shape[0]}, {self.config.hidden_size}]; got {tuple(hidden_in.shape)}")
         x = gemv.linear(self._eh_input(input_ids, hidden_in), self.eh_proj.weight)
-        x, residual = self.layer(x, None, self.rotary(positions), backend, batch)
-        return self.shared_head.norm.residual(x, residual)[0]
+        h, residual = self.layer.input_layernorm.residual(x, None)
+        return self.layer(h, residual, self.rotary(positions), backend, batch, self.shared_head.norm)[0]
 
     def _eh_input(self, input_ids: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
         """enorm(embed(ids)) ++ hnorm(hidden_in) ``[T, 2D]``: one kernel (ops.mtp_input) on the

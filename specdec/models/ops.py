@@ -10,6 +10,7 @@ backward); the torch path is the same arithmetic, and what CPU runs and the GPU 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,6 +37,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return _torch_rms_norm(h, weight, eps), h
 
 
+@dataclass(frozen=True)
+class AddNorm:
+    """The residual add and RMS norm that follow a sublayer's output ``out [T, D]``: ``self(out)``
+    is rms_norm(out, weight, eps, residual), (norm(h), h) with h = residual + out. A sublayer given
+    one returns that pair, from its own last kernel where it can (moe_kernels.triton_combine), the
+    same arithmetic as rms_norm's kernel; residual None: h is out."""
+
+    residual: Optional[torch.Tensor]
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(out, self.weight, self.eps, self.residual)
+
+
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm's kernel (any device Triton runs on, its interpreter included): rows of unit stride."""
@@ -45,13 +61,13 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         _rms_norm_kernel[(rows,)](x, x if residual is None else residual, h, weight, out, eps, d,
                                   x.stride(0), 0 if residual is None else residual.stride(0),
-                                  HAS_RESIDUAL=residual is not None, **_row_launch(d))
+                                  HAS_RESIDUAL=residual is not None, **row_launch(d))
     return out, (x if residual is None else h)
 
 
-def _row_launch(d: int) -> dict:
-    """A row-norm program's tile and warps for rows of ``d``: rms_norm's and mtp_input's alike, so
-    both reduce a row in the same order."""
+def row_launch(d: int) -> dict:
+    """A row-norm program's tile and warps for rows of ``d``: rms_norm's, mtp_input's and the MoE
+    combine's alike, so all reduce a row in the same order."""
     return {"BLOCK": _pow2(d), "num_warps": 8 if d >= 4096 else 4}
 
 
@@ -61,7 +77,7 @@ def _torch_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 @_jit
-def _weight(w_ptrs, mask):
+def norm_weight(w_ptrs, mask):
     """A norm's weight as fp32, loaded first in a kernel: a load after the row's stores and
     reduction would wait for them (the pointers may alias), one more memory round trip."""
     return tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -70,13 +86,13 @@ def _weight(w_ptrs, mask):
 @_jit
 def _scaled(w, normed, DTYPE: tl.constexpr):
     """weight * normed.to(DTYPE), as torch rounds it: the fp32 product of the two DTYPE values
-    (w: the weight as _weight loads it)."""
+    (w: the weight as norm_weight loads it)."""
     return (w * normed.to(DTYPE).to(tl.float32)).to(DTYPE)
 
 
 @_jit
-def _normed_row(x, w, D, eps, DTYPE: tl.constexpr):
-    """rms_norm of one row ``x [BLOCK]`` (zeros past D) times the weight w (_weight), in DTYPE."""
+def normed_row(x, w, D, eps, DTYPE: tl.constexpr):
+    """rms_norm of one row ``x [BLOCK]`` (zeros past D) times the weight w (norm_weight), in DTYPE."""
     f = x.to(tl.float32)
     normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / D + eps)
     return _scaled(w, normed, DTYPE)
@@ -88,13 +104,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, st
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    w = _weight(w_ptr + cols, mask)
+    w = norm_weight(w_ptr + cols, mask)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * D + cols, x, mask=mask)
-    tl.store(out_ptr + row * D + cols, _normed_row(x, w, D, eps, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * D + cols, normed_row(x, w, D, eps, out_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------- MTP input
@@ -123,7 +139,7 @@ def triton_mtp_input(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tenso
     out = hidden.new_empty(t, 2 * d)
     if t:
         _mtp_input_kernel[(t,)](ids, table, hidden, e_weight, h_weight, out, table.shape[0], d, ids.stride(0),
-                                table.stride(0), hidden.stride(0), e_eps, h_eps, **_row_launch(d))
+                                table.stride(0), hidden.stride(0), e_eps, h_eps, **row_launch(d))
     return out
 
 
@@ -133,16 +149,16 @@ def _mtp_input_kernel(ids_ptr, table_ptr, hidden_ptr, ew_ptr, hw_ptr, out_ptr, V
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    ew, hw = _weight(ew_ptr + cols, mask), _weight(hw_ptr + cols, mask)
+    ew, hw = norm_weight(ew_ptr + cols, mask), norm_weight(hw_ptr + cols, mask)
     token = tl.load(ids_ptr + t * stride_ids)
     known = (token >= 0) & (token < V)
     row = tl.where(known, token, 0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     out = out_ptr + t.to(tl.int64) * (2 * D)
     embedded = tl.load(table_ptr + row * stride_table + cols, mask=mask & known, other=0.0)
-    tl.store(out + cols, _normed_row(embedded, ew, D, e_eps, dtype), mask=mask)
+    tl.store(out + cols, normed_row(embedded, ew, D, e_eps, dtype), mask=mask)
     h = tl.load(hidden_ptr + t.to(tl.int64) * stride_hidden + cols, mask=mask, other=0.0)
-    tl.store(out + D + cols, _normed_row(h, hw, D, h_eps, dtype), mask=mask)
+    tl.store(out + D + cols, normed_row(h, hw, D, h_eps, dtype), mask=mask)
 
 
 # --------------------------------------------------------------------------- silu * up
@@ -259,11 +275,11 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
     t = tl.program_id(0)
     row = qkv_ptr + t * stride_qkv
     lat = tl.arange(0, LATENT)
-    kv_w = _weight(kvw_ptr + lat, lat < LATENT)
+    kv_w = norm_weight(kvw_ptr + lat, lat < LATENT)
     if HAS_Q_NORM:
         cols = tl.arange(0, Q_BLOCK)
         mask = cols < Q_RANK
-        q_w = _weight(qw_ptr + cols, mask)
+        q_w = norm_weight(qw_ptr + cols, mask)
         f = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
         normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / Q_RANK + eps)
         tl.store(q_ptr + t * Q_RANK + cols, _scaled(q_w, normed, q_ptr.dtype.element_ty), mask=mask)
