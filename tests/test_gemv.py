@@ -4,8 +4,10 @@ against fp32 products of the torch steps, under Triton's interpreter on the CPU 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from interpreted import run_interpreted, run_on_gpu
+from specdec.models import gemv
 
 _CHECKS = """
 import torch
@@ -60,3 +62,21 @@ def test_gemv_under_triton_interpreter():
 @pytest.mark.gpu
 def test_gemv_on_gpu():
     run_on_gpu(_CHECKS, 'check_all("cuda", (torch.bfloat16, torch.float16))')
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gemv_compiles_for_sm90(monkeypatch, rows):
+    """Without a GPU: the rank slice's layer GEMVs (the down one with its silu fold) at one row and
+    at GEMV_MAX_ROWS (16) compile for H200, each within a block's shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    from test_moe import H200_SHARED_MEMORY, _Recorder, compile_for_sm90
+
+    launches = []
+    monkeypatch.setattr(gemv, "_gemv_kernel", _Recorder(gemv._gemv_kernel, launches))
+    bf16 = dict(dtype=torch.bfloat16)
+    for n, k in ((2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168)):
+        gemv.triton_linear(torch.empty(rows, k, **bf16), torch.empty(n, k, **bf16))
+    gemv.triton_silu_linear(torch.empty(rows, 2 * 2304, **bf16), torch.empty(7168, 2304, **bf16))
+    assert len(launches) == 5
+    for launch in launches:
+        assert compile_for_sm90(*launch).metadata.shared <= H200_SHARED_MEMORY
