@@ -9,9 +9,9 @@ plan_passes_on_host. A bucket's step is captured once more per kv bound its back
 contexts for (e.g. triton_mla's latency-bound narrow tiles); a step replays the graphs of the
 smallest bound holding its longest request, else those planned for the longest context.
 
-A bucket's three stages are captured in order into one graph: a step is one launch. (Joined as
-child-graph nodes of one executable graph, three graphs of their own each, they replayed with
-wider gaps between kernels: docs/benchmarks.md, "Launch gaps in CUDA graphs".) One set of static
+A bucket's three stages are captured in order into one graph: a step is one launch, with no
+driver calls of our own (three graphs joined as child nodes took the same device time:
+docs/benchmarks.md, "The step's small kernels"). One set of static
 inputs at the largest bucket; every bucket's graphs (captured largest first, in one memory pool)
 read its first ``bs`` rows. A live batch is copied into the first rows of the next bucket up;
 padded rows point at the pool's padding row with N = 0, so they touch no real KV or output.

@@ -8,9 +8,9 @@ processes t_p at position p and covers ``[0, N]``: ``draft_offset`` (0 or 1) is 
 
 Nothing in a step reads a device value on the host. The emitted tokens, accept lengths and stops
 reach the host in one non-blocking copy (:class:`StepReport`) enqueued before draft-extend, so
-the host's bookkeeping overlaps that last pass. The graph runner captures the step as three
-graphs, one per stage: ``draft``, ``verify_and_accept`` (with the copy) and ``draft_extend``; a
-kv bound (a bound on N the passes plan their kernels for) is an argument of each.
+the host's bookkeeping overlaps that last pass. The graph runner captures the step's three
+stages in order into one graph: ``draft``, ``verify_and_accept`` (with the copy) and
+``draft_extend``; a kv bound (a bound on N the passes plan their kernels for) is an argument of each.
 """
 
 from __future__ import annotations

@@ -210,6 +210,7 @@ def test_combine_refuses_a_norm_of_other_shapes():
     per_pair, shared = torch.zeros(2, 8, 64), torch.zeros(2, 64, dtype=torch.bfloat16)
     for weight, residual in ((torch.ones(32, dtype=torch.bfloat16), None),
                              (torch.ones(64), None),
+                             (torch.ones(64, 2, dtype=torch.bfloat16)[:, 0], None),
                              (torch.ones(64, dtype=torch.bfloat16), torch.zeros(3, 64, dtype=torch.bfloat16)),
                              (torch.ones(64, dtype=torch.bfloat16), torch.zeros(2, 64))):
         with pytest.raises(ValueError, match="combine's norm"):

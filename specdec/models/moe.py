@@ -21,9 +21,9 @@ from specdec.models import gemv, moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
-from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, router_logits, single_token_blocks,
-                                        sort_into_blocks, tiles_for, triton_combine, triton_route,
-                                        triton_sort_into_blocks)
+from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, combine_takes, router_logits,
+                                        single_token_blocks, sort_into_blocks, tiles_for, triton_combine,
+                                        triton_route, triton_sort_into_blocks)
 from specdec.models.packing import CheckpointViews, row_views
 
 
@@ -155,7 +155,10 @@ class MoE(CheckpointViews, nn.Module):
                                                blocks, tiles)
         shared = (gemv.silu_linear_partials(shared_gate_up, self.shared_experts.down_proj.weight) if fused
                   else self.shared_experts(x))
-        return triton_combine(per_pair.view(*ids.shape, hidden), shared, then)
+        per_pair = per_pair.view(*ids.shape, hidden)
+        if then is not None and not combine_takes(then, shared):  # e.g. a norm weight of another dtype
+            return then(triton_combine(per_pair, shared))
+        return triton_combine(per_pair, shared, then)
 
     def _fuses_shared(self, x: torch.Tensor) -> bool:
         shared = self.shared_experts.gate_up

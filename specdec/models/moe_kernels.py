@@ -10,7 +10,7 @@ many small ops: :func:`router_logits` (the router's GEMM in partial sums over D,
 weight; the shared expert's gate/up too), :func:`triton_route` (a program per token sums them and
 picks its experts), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
 kernels of :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in
-order, plus the shared expert's). Kernel 1 gathers a block's token rows of x and multiplies them by its
+order, plus the shared expert's; given the next norm, that too). Kernel 1 gathers a block's token rows of x and multiplies them by its
 expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row per block row);
 kernel 2 multiplies h by the expert's down projection, scales by the routing weight and writes
 each pair's output at row p of ``[P, D]`` fp32, so the sum over a token's k pairs has a fixed
@@ -500,6 +500,15 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, row_pair_ptr, block_expert_p
 
 
 # ---------------------------------------------------------------------------- combine
+def combine_takes(then: AddNorm, shared: torch.Tensor) -> bool:
+    """Whether triton_combine computes ``then`` in its launch for this ``shared`` ``[T, D]``: a
+    weight ``[D]`` and a residual ``[T, D]`` (or None), unit stride, shared's dtype."""
+    residual, weight = then.residual, then.weight
+    return (tuple(weight.shape) == (shared.shape[1],) and weight.dtype == shared.dtype and weight.stride(0) == 1
+            and (residual is None or (residual.shape == shared.shape and residual.stride(1) == 1
+                                      and residual.dtype == shared.dtype)))
+
+
 def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor, then: Optional[AddNorm] = None):
     """Each token's routed output plus the shared expert's, by one kernel (any device Triton runs
     on, its interpreter included).
@@ -517,17 +526,14 @@ def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor, then: Optional[
         raise ValueError(f"per_pair {tuple(per_pair.shape)} {per_pair.dtype}, shared {tuple(shared.shape)}: "
                          "expected fp32 [T, k, D] and [T, D], unit stride in D")
     residual = None if then is None else then.residual
-    if then is not None and (tuple(then.weight.shape) != (hidden,) or then.weight.dtype != shared.dtype or (
-            residual is not None and (tuple(residual.shape) != (tokens, hidden) or residual.stride(1) != 1
-                                      or residual.dtype != shared.dtype))):
+    if then is not None and not combine_takes(then, shared):
         raise ValueError(f"combine's norm: weight {tuple(then.weight.shape)} {then.weight.dtype}, residual "
                          f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: expected [{hidden}] "
                          f"and [{tokens}, {hidden}] of unit stride, {shared.dtype}")
-    out = torch.empty(tokens, hidden, dtype=shared.dtype, device=shared.device)
+    out = torch.empty(tokens, hidden, dtype=shared.dtype, device=shared.device)  # then: h (the sum) or out
     normed = h = out
     if then is not None:
         normed = torch.empty_like(out)
-        h = out if residual is None else torch.empty_like(out)
     if tokens:
         launch = {"BLOCK": min(1024, _pow2(hidden))} if then is None else row_launch(hidden)
         _combine_kernel[(tokens, triton.cdiv(hidden, launch["BLOCK"]))](
