@@ -69,10 +69,10 @@ def test_gemv_compiles_for_sm90(monkeypatch, rows):
     """Without a GPU: the rank slice's layer GEMVs (the down one with its silu fold) at one row and
     at GEMV_MAX_ROWS compile for H200, each within a block's shared memory."""
     pytest.importorskip("triton.backends.nvidia")
-    from test_moe import H200_SHARED_MEMORY, _Recorder, compile_for_sm90
+    from sm90_compile import H200_SHARED_MEMORY, Recorder, compile_for_sm90
 
     launches = []
-    monkeypatch.setattr(gemv, "_gemv_kernel", _Recorder(gemv._gemv_kernel, launches))
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder(gemv._gemv_kernel, launches))
     bf16 = dict(dtype=torch.bfloat16)
     for n, k in ((2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168)):
         gemv.triton_linear(torch.empty(rows, k, **bf16), torch.empty(n, k, **bf16))

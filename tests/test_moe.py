@@ -7,7 +7,7 @@ expert for every token, experts nobody chose, one token, more pairs than a block
 The router's rule is checked by hand on ties; each kernel equals its torch counterpart (the
 router's choice and the layout exactly, on logits quantised so that scores tie exactly or differ
 by far more than an ulp). CPU: the torch path (forward and backward) and the block layout; the
-Triton kernels, and the whole Triton path, under the interpreter; their compile for sm_90.
+Triton kernels, and the whole Triton path, under the interpreter (their compile for sm_90: test_moe_compile.py).
 GPU (marked ``gpu``): the Triton path at a DeepSeek-like size, the kernels against the torch
 path on the GPU, and CUDA-graph replay.
 """
@@ -22,7 +22,7 @@ from interpreted import run_interpreted
 from specdec.models import gemv, moe as moe_module, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.moe import MoE, route
-from specdec.models.moe_kernels import LAYOUT_MAX_PAIRS, max_blocks, sort_into_blocks, tiles_for
+from specdec.models.moe_kernels import max_blocks, sort_into_blocks, tiles_for
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -443,104 +443,6 @@ for dtype, tokens, hidden, overrides in cases:
         assert torch.equal(normed, want_normed) and torch.equal(h, want_h)
 print("ok")
 """)
-
-
-H200_SHARED_MEMORY = 232448  # bytes a block may use on SM90
-TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64"}
-KERNELS = ("_router_kernel", "_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel")
-
-
-class _Recorder:
-    """A kernel's stand-in that appends each launch (kernel, args, kwargs) to ``launches``."""
-
-    def __init__(self, kernel, launches: list) -> None:
-        self.kernel = kernel.kernel if isinstance(kernel, _Recorder) else kernel  # one already there: its kernel
-        self.launches = launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
-
-
-def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter, then=False):
-    """The (kernel, args, constexprs and options) that MoE.forward's Triton path launches, for CPU
-    stand-ins of the inputs (weights broadcast from one row: only shapes, strides and dtypes reach
-    the compile); a prefill's layout is the torch ops', no launch. then: the combine with the next
-    norm (a decoder layer's at tp 1)."""
-    from specdec.models import moe_kernels
-
-    launches = []
-    for module, name in [*((moe_kernels, name) for name in KERNELS), (gemv, "_gemv_kernel")]:
-        monkeypatch.setattr(module, name, _Recorder(getattr(module, name), launches))
-    cfg = DeepseekV3Config(n_routed_experts=experts, n_group=8, topk_group=4, num_experts_per_tok=top_k)
-    x = torch.empty(tokens, hidden, dtype=dtype)
-    fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
-    shared = torch.empty(2 * inter, hidden, dtype=dtype) if fused else None
-    partials = moe_kernels.router_logits(x, torch.empty(experts, hidden, dtype=dtype), shared)
-    moe_kernels.triton_route(partials[..., :experts], torch.empty(experts), cfg)
-    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(0))
-    tiles = tiles_for(ids.numel(), experts, hidden, inter, dtype)
-    layout = (moe_kernels.triton_sort_into_blocks if ids.numel() <= moe_kernels.LAYOUT_MAX_PAIRS
-              else moe_kernels.sort_into_blocks)
-    gate_up = torch.empty(1, 1, hidden, dtype=dtype).expand(experts, 2 * inter, hidden)
-    down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, hidden, inter)
-    per_pair = moe_kernels.grouped_experts(x, gate_up, down,
-                                           torch.rand(tokens, top_k), layout(ids, experts, tiles.block_m), tiles)
-    if shared is not None:
-        gemv.triton_silu_linear_partials(partials[..., experts:], torch.empty(hidden, inter, dtype=dtype))
-    norm = ops.AddNorm(torch.empty(tokens, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype), 1e-6) if then else None
-    moe_kernels.triton_combine(per_pair.view(tokens, top_k, hidden), torch.empty(tokens, hidden, dtype=dtype), norm)
-    return launches
-
-
-
-
-
-def compile_for_sm90(kernel, args, kwargs):
-    """Compile a recorded launch for sm_90 as Triton's launcher would specialise it (pointers 16-byte
-    aligned, as the caching allocator gives; integers divisible by 16 marked so)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in kwargs:
-            signature[name] = "constexpr"
-            continue
-        arg = args[i]
-        if isinstance(arg, float):
-            signature[name] = "fp32"
-            continue
-        signature[name] = "*" + TRITON_TYPES[arg.dtype] if isinstance(arg, torch.Tensor) else "i32"
-        if isinstance(arg, torch.Tensor) or arg % 16 == 0:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, kwargs, attrs), target=GPUTarget("cuda", 90, 64),
-                          options=options)
-
-
-@pytest.mark.parametrize("dtype,tokens,experts,inter", [
-    (torch.bfloat16, 1, 256, 256), (torch.bfloat16, 3, 256, 2048), (torch.bfloat16, 256, 64, 256),
-    (torch.bfloat16, 1024, 64, 2048), (torch.float16, 3, 64, 256), (torch.float32, 1, 64, 256),
-    (torch.float32, 3, 64, 256), (torch.float32, 256, 64, 256),
-], ids=["bf16-one-token", "bf16-decode", "bf16-2048-pairs", "bf16-prefill", "fp16-decode", "fp32-one-token",
-        "fp32-decode", "fp32-2048-pairs"])
-def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
-    """Without a GPU: the kernels MoE's Triton path launches compile for H200 (the grouped GEMM's
-    16, 32 and 64-row tiles with their loads pipelined into shared memory), each within a block's
-    shared memory."""
-    pytest.importorskip("triton.backends.nvidia")
-    launches = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter)
-    fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
-    names = [kernel.fn.__name__ for kernel, _, _ in launches]
-    want = [name for name in KERNELS if tokens * 8 <= LAYOUT_MAX_PAIRS or name != "_layout_kernel"]
-    assert names == want[:-1] + ["_gemv_kernel"] * fused + want[-1:]
-    combine_with_norm = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter, then=True)[-1]
-    for name, launch in [*zip(names, launches), ("_combine_kernel", combine_with_norm)]:
-        compiled = compile_for_sm90(*launch)
-        if name in ("_gate_up_kernel", "_down_kernel"):
-            assert "cp.async" in compiled.asm["ptx"]
-        assert compiled.metadata.shared <= H200_SHARED_MEMORY
 
 
 # ------------------------------------------------------------------------------ GPU
