@@ -32,7 +32,7 @@ import torch
 
 from attn.base import const_arange
 from specdec.models.config import DeepseekV3Config
-from specdec.models.ops import AddNorm, norm_weight, normed_row, row_launch
+from specdec.models.ops import AddNorm, add_and_norm, norm_weight, row_launch
 from specdec.triton_lang import jit as _jit, tl, triton  # without Triton the torch path in moe.py serves
 
 
@@ -561,10 +561,7 @@ def _combine_kernel(pair_ptr, shared_ptr, out_ptr, res_ptr, h_ptr, w_ptr, normed
     shared = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
     out = (routed.to(dtype).to(tl.float32) + shared).to(dtype)
     if NORM:
-        if HAS_RESIDUAL:
-            out = (out.to(tl.float32) + tl.load(res_ptr + t * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
-            out = out.to(dtype)
-        tl.store(h_ptr + t * D + cols, out, mask=mask)
-        tl.store(normed_ptr + t * D + cols, normed_row(out, w, D, eps, dtype), mask=mask)
+        add_and_norm(out, res_ptr + t * stride_res + cols, h_ptr + t * D + cols, normed_ptr + t * D + cols, w, mask, D,
+                     eps, HAS_RESIDUAL, True)
     else:
         tl.store(out_ptr + t * D + cols, out, mask=mask)

@@ -99,6 +99,19 @@ def normed_row(x, w, D, eps, DTYPE: tl.constexpr):
 
 
 @_jit
+def add_and_norm(x, res_ptrs, h_ptrs, out_ptrs, w, mask, D, eps, HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr):
+    """rms_norm of one row ``x [BLOCK]`` (zeros past D) after its residual add: h = x + the row at
+    res_ptrs (HAS_RESIDUAL; the sum rounded to h's dtype), stored at h_ptrs if STORE_H, and
+    normed_row(h) at out_ptrs. rms_norm's kernel and the MoE combine's norm (AddNorm) both run it, so
+    their bits agree."""
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(h_ptrs.dtype.element_ty)
+    if STORE_H:
+        tl.store(h_ptrs, x, mask=mask)
+    tl.store(out_ptrs, normed_row(x, w, D, eps, out_ptrs.dtype.element_ty), mask=mask)
+
+
+@_jit
 def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, stride_res,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -106,11 +119,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, st
     mask = cols < D
     w = norm_weight(w_ptr + cols, mask)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
-        x = x.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + row * D + cols, x, mask=mask)
-    tl.store(out_ptr + row * D + cols, normed_row(x, w, D, eps, out_ptr.dtype.element_ty), mask=mask)
+    add_and_norm(x, res_ptr + row * stride_res + cols, h_ptr + row * D + cols, out_ptr + row * D + cols, w, mask, D,
+                 eps, HAS_RESIDUAL, HAS_RESIDUAL)
 
 
 # ------------------------------------------------------------------------- MTP input
