@@ -8,11 +8,11 @@ about the fourth on every graph, the first included, with ~0.4 us; a spec step r
 
 Each graph replays ``layers`` GEMV + RMS-norm pairs of the rank slice's hidden size (7168). The
 variants test what could switch the state, each in a process of its own: ``plain`` (torch's
-defaults), ``keep`` (keep_graph=True, instantiated on first replay), ``pool`` (every capture in one memory pool, as GraphRunner's),
-``event`` (mid-graph, a copy to pinned memory and an external event record: the step's host copy
-before), ``write`` (the same with a kernel writing the pinned memory: HostCopy's now), ``free``
-(each graph freed before the next is captured; the others keep every graph), ``small`` (three
-one-kernel graphs captured first).
+defaults), ``keep`` (keep_graph=True, instantiated on first replay), ``pool`` (every capture in
+one memory pool, as GraphRunner's), ``event`` (mid-graph, a copy to pinned memory and an external
+event record: the step's host copy before), ``write`` (the same with a kernel writing the pinned
+memory: HostCopy's now), ``free`` (each graph freed before the next is captured; the others keep
+every graph), ``small`` (three one-kernel graphs captured first).
 Rows: the newest graph's replay time (taken before any profiling of it), its median gap, and the
 first graph's gap again. Prints a table, writes CSV and a PNG.
 """

@@ -5,20 +5,20 @@ are sorted by expert (stable) and laid out in blocks of ``block_m`` rows, each b
 the last block of an expert padded (:func:`sort_into_blocks`). Both paths of ``MoE`` compute over
 this layout: the Triton kernels here on a GPU, ``torch.bmm`` in specdec/models/moe.py elsewhere.
 
-A decode step's router and routed experts are six launches, each one kernel where torch takes
-many small ops: :func:`router_logits` (the router's GEMM in partial sums over D, from the 16-bit
-weight; the shared expert's gate/up too), :func:`triton_route` (a program per token sums them and
-picks its experts), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM
-kernels of :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in
-order, plus the shared expert's; given the next norm, that too). Kernel 1 gathers a block's token rows of x and multiplies them by its
-expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row per block row);
-kernel 2 multiplies h by the expert's down projection, scales by the routing weight and writes
-each pair's output at row p of ``[P, D]`` fp32, so the sum over a token's k pairs has a fixed
-order (no atomics: the same inputs give the same bits). The GEMMs' launch grid is
-``(max_blocks, N tiles)``, a function of host-side sizes only; a program whose block is past
-those in use returns before reading any weight, so a decode step reads only the chosen experts'
-weights. Nothing reads a device value on the host: the layout and the launches capture in a CUDA
-graph. Temporaries are O(E) (counts), ``[rows, I]`` (h) and ``[P, D]``; none is ``[E, T, ...]``.
+A decode step's router and routed experts are six launches, each one kernel where torch takes many
+small ops: :func:`router_logits` (the router's GEMM in partial sums over D, from the 16-bit weight;
+the shared expert's gate/up too), :func:`triton_route` (a program per token sums them and picks its
+experts), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM kernels of
+:func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in order, plus
+the shared expert's; given the next norm, that too). Kernel 1 gathers a block's token rows of x and
+multiplies them by its expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row
+per block row); kernel 2 multiplies h by the expert's down projection, scales by the routing weight
+and writes each pair's output at row p of ``[P, D]`` fp32, so the sum over a token's k pairs has a
+fixed order (no atomics: the same inputs give the same bits). The GEMMs' launch grid is
+``(max_blocks, N tiles)``, a function of host-side sizes only; a program whose block is past those
+in use returns before reading any weight, so a decode step reads only the chosen experts' weights.
+Nothing reads a device value on the host: the layout and the launches capture in a CUDA graph.
+Temporaries are O(E) (counts), ``[rows, I]`` (h) and ``[P, D]``; none is ``[E, T, ...]``.
 
 The module imports without Triton (CPU-only installs): the layout and the tile choice still work.
 """
@@ -528,28 +528,26 @@ def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor, then: Optional[
     residual = None if then is None else then.residual
     if then is not None and not combine_takes(then, shared):
         raise ValueError(f"combine's norm: weight {tuple(then.weight.shape)} {then.weight.dtype}, residual "
-                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: expected [{hidden}] "
-                         f"and [{tokens}, {hidden}] of unit stride, {shared.dtype}")
+                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: "
+                         f"expected [{hidden}] and [{tokens}, {hidden}] of unit stride, {shared.dtype}")
     out = torch.empty(tokens, hidden, dtype=shared.dtype, device=shared.device)  # then: h (the sum) or out
-    normed = h = out
-    if then is not None:
-        normed = torch.empty_like(out)
+    normed = out if then is None else torch.empty_like(out)
     if tokens:
         launch = {"BLOCK": min(1024, _pow2(hidden))} if then is None else row_launch(hidden)
         _combine_kernel[(tokens, triton.cdiv(hidden, launch["BLOCK"]))](
-            per_pair, shared, out, residual if residual is not None else out, h, then.weight if then else out, normed,
+            per_pair, shared, out, residual if residual is not None else out, then.weight if then else out, normed,
             0.0 if then is None else then.eps, hidden, per_pair.stride(0), per_pair.stride(1), shared.stride(0),
             0 if residual is None else residual.stride(0), TOP_K=top_k, NORM=then is not None,
             HAS_RESIDUAL=residual is not None, **launch)
-    return out if then is None else (normed, h)
+    return out if then is None else (normed, out)
 
 
 @_jit
-def _combine_kernel(pair_ptr, shared_ptr, out_ptr, res_ptr, h_ptr, w_ptr, normed_ptr, eps, D, stride_token,
+def _combine_kernel(pair_ptr, shared_ptr, out_ptr, res_ptr, w_ptr, normed_ptr, eps, D, stride_token,
                     stride_choice, stride_shared, stride_res, TOP_K: tl.constexpr, NORM: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """NORM: one program a token (BLOCK >= D); then h = out + residual (rounded) and normed =
-    rms_norm(h) * weight, as ops' rms_norm kernel computes them."""
+    """NORM: one program a token (BLOCK >= D); then h = out + residual (rounded) at out_ptr and
+    normed = rms_norm(h) * weight, as ops' rms_norm kernel computes them."""
     t, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     if NORM:
@@ -561,7 +559,7 @@ def _combine_kernel(pair_ptr, shared_ptr, out_ptr, res_ptr, h_ptr, w_ptr, normed
     shared = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
     out = (routed.to(dtype).to(tl.float32) + shared).to(dtype)
     if NORM:
-        add_and_norm(out, res_ptr + t * stride_res + cols, h_ptr + t * D + cols, normed_ptr + t * D + cols, w, mask, D,
-                     eps, HAS_RESIDUAL, True)
+        add_and_norm(out, res_ptr + t * stride_res + cols, out_ptr + t * D + cols, normed_ptr + t * D + cols, w, mask,
+                     D, eps, HAS_RESIDUAL, True)
     else:
         tl.store(out_ptr + t * D + cols, out, mask=mask)
