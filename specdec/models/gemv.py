@@ -118,8 +118,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
         _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(-2), x.stride(0) if splits > 1 else 0, SILU=silu,
                            SPLITS=splits, ROUND_IN=x.dtype != weight.dtype, ROUND_OUT=out.dtype != weight.dtype,
-                           ROWS=min(16, 1 << (m - 1).bit_length()) if silu else 1, BLOCK_M=16, BLOCK_N=block_n,
-                           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                           ROWS=min(16, 1 << (m - 1).bit_length()) if silu else 1, ONE_BLOCK=m if m <= 16 else 0,
+                           BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -138,23 +138,28 @@ def _summed(ptrs, stride, mask, SPLITS: tl.constexpr):
 
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.constexpr, SPLITS: tl.constexpr,
-                 ROUND_IN: tl.constexpr, ROUND_OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ROUND_IN: tl.constexpr, ROUND_OUT: tl.constexpr, ROWS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_N output columns of BLOCK_M rows, over all of K (no split: no second
     pass); the weight tile streams through once, the few x rows come from L2. SILU: x is
     silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two >= the block's
     rows) and repeated to BLOCK_M for the dot; the input is the sum of SPLITS partials
     ``stride_xs`` apart, rounded to the weight's dtype where ROUND_IN. ROUND_OUT: the fp32 output
-    rounded to the weight's dtype, then widened (fp32 logits)."""
+    rounded to the weight's dtype, then widened (fp32 logits). ONE_BLOCK: M itself where it is at
+    most BLOCK_M (one row block; 0 else), so that the rows' masks are compile-time constants and
+    the input's copies carry no per-row predicates (docs/kernels.md)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = 0 if ONE_BLOCK else tl.program_id(1) * BLOCK_M
+    if ONE_BLOCK:
+        M = ONE_BLOCK
+    rm = row0 + tl.arange(0, BLOCK_M)
     dtype = w_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
         if SILU:
-            rs = tl.program_id(1) * BLOCK_M + tl.arange(0, ROWS)
+            rs = row0 + tl.arange(0, ROWS)
             mask = (rs < M)[:, None] & (rk < K)[None, :]
             rows = x_ptr + rs[:, None] * stride_xm + rk[None, :]
             gate = _summed(rows, stride_xs, mask, SPLITS)
