@@ -52,8 +52,15 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
         torch.testing.assert_close(ops.triton_silu_mul(gu), (torch.nn.functional.silu(gate) * up).to(dtype), **tol(dtype))
 
         pos = torch.tensor([0, 1, 7, 300, 4095][:tokens], device=device)[:, None]
-        freqs = pos.float() * (1.0 / 10000 ** (torch.arange(0, 64, 2, device=device).float() / 64))[None]
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2, device=device).float() / 64)
+        freqs = pos.float() * inv_freq[None]
         cos, sin = freqs.cos(), freqs.sin()
+        long_pos = torch.tensor([0, 1, 4095, 163839, 70000, 12345, 99] * 20, device=device)[::2]  # 70 positions, stride 2
+        for factor in (1.0, 0.7071):
+            want = [f * factor for f in ((long_pos[:, None] * inv_freq).cos(), (long_pos[:, None] * inv_freq).sin())]
+            for got, ref in zip(ops.triton_rope_cos_sin(long_pos, inv_freq, factor), want):
+                torch.testing.assert_close(got, ref, **(dict(atol=0, rtol=0) if exact else dict(atol=1e-6, rtol=1e-5)))
+        assert ops.triton_rope_cos_sin(long_pos[:0], inv_freq)[0].shape == (0, 32)
         for interleave in (True, False):
             for rank in (q_rank, 0):
                 qkv = rand(tokens, (rank or heads * 192) + 576).to(dtype)

@@ -141,11 +141,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq_bits", inv_freq.view(torch.int32).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` int64 -> (cos, sin), each ``[T, 32]`` fp32."""
-        freqs = positions[:, None] * self.inv_freq_bits.view(torch.float32)[None, :]  # fp32: one kernel, no cast
-        if self.attention_factor == 1.0:  # no YaRN scaling: two kernels fewer per forward
-            return freqs.cos(), freqs.sin()
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        """positions ``[T]`` int64 -> (cos, sin), each ``[T, 32]`` fp32 (ops.rope_cos_sin)."""
+        return ops.rope_cos_sin(positions, self.inv_freq_bits.view(torch.float32), self.attention_factor)
 
 
 def _rope_frequencies(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float]:

@@ -215,6 +215,56 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions ``[T]`` int64, inv_freq ``[32]`` fp32 -> (cos, sin) ``[T, 32]`` fp32 of
+    positions x inv_freq, each times ``factor`` (YaRN's attention factor) unless it is 1.
+
+    One kernel on a GPU where torch takes three to five (the product, cos, sin, the scalings); the
+    same fp32 product and libdevice's cos/sin, which torch's CUDA kernels call too. E.g. position
+    4095 at frequency 1.0: (cos, sin) = (-0.0660, -0.9978)."""
+    if on_triton(positions, inv_freq) and positions.dim() == 1 and inv_freq.is_contiguous():
+        return triton_rope_cos_sin(positions, inv_freq, factor)
+    freqs = positions[:, None] * inv_freq[None, :]  # fp32: one kernel, no cast
+    if factor == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * factor, freqs.sin() * factor
+
+
+def triton_rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                        factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_cos_sin's kernel: positions ``[T]`` (any stride), a contiguous inv_freq of a power of two."""
+    t, half = positions.shape[0], inv_freq.shape[0]
+    if inv_freq.dtype != torch.float32 or half & (half - 1):
+        raise ValueError(f"rope_cos_sin: inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype}: expected fp32 of a power "
+                         "of two")
+    cos = torch.empty(t, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if t:
+        block = min(64, _pow2(t))
+        _rope_cos_sin_kernel[(triton.cdiv(t, block),)](positions, inv_freq, cos, sin, t, positions.stride(0), factor,
+                                                       SCALE=factor != 1.0, HALF=half, BLOCK_T=block)
+    return cos, sin
+
+
+@_jit
+def _rope_cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, T, stride_p, factor, SCALE: tl.constexpr,
+                         HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """BLOCK_T tokens a program: cos and sin of position x frequency (tl.cos / tl.sin compile to
+    libdevice's cosf / sinf, not the approximate instructions)."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    idx = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + rt * stride_p, mask=rt < T, other=0).to(tl.float32)
+    freqs = pos[:, None] * tl.load(freq_ptr + idx)[None, :]
+    cos, sin = tl.cos(freqs), tl.sin(freqs)
+    if SCALE:
+        cos, sin = cos * factor, sin * factor
+    offs = rt[:, None] * HALF + idx[None, :]
+    mask = (rt < T)[:, None]
+    tl.store(cos_ptr + offs, cos, mask=mask)
+    tl.store(sin_ptr + offs, sin, mask=mask)
+
+
 @_jit
 def _rope_pairs(ptr, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
     """(rotated first half, rotated second half) of the 2*HALF values at ptr, in fp32."""
@@ -315,7 +365,8 @@ def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch
     rope dims; q ``[T, H, nope + 64]``, w_uk ``[H, nope, 512]`` (rows of kv_b_proj's weight).
 
     One kernel on a GPU (16-bit): a program per (head, 64 latent columns, 16 tokens) streams its
-    slice of W_UK once for all the tokens, which torch does as a batched GEMM, a copy and the rope.
+    slice of W_UK once for all the tokens, and rotates the rope dims after it or, past 16 tokens,
+    in programs of its own; torch does a batched GEMM, a copy and the rope.
     """
     heads, nope, latent = w_uk.shape
     if q.dim() != 3 or tuple(q.shape[1:]) != (heads, nope + 64):
@@ -336,10 +387,11 @@ def triton_mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin
     query = q.new_empty(t, heads, latent + 64)
     if t:
         block_m = 16 if t <= 16 else 64
-        grid = (heads, triton.cdiv(latent, 64), triton.cdiv(t, block_m))
+        rope_apart = block_m == 64  # the rope in programs of its own: the last column block
+        grid = (heads, triton.cdiv(latent, 64) + rope_apart, triton.cdiv(t, block_m))
         _mla_query_kernel[grid](q, w_uk, query, cos, sin, t, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
-                                NOPE=nope, LATENT=latent, HALF=32, INTERLEAVE=interleave, BLOCK_M=block_m,
-                                BLOCK_N=64, num_warps=4)
+                                NOPE=nope, LATENT=latent, HALF=32, INTERLEAVE=interleave, ROPE_APART=rope_apart,
+                                BLOCK_M=block_m, BLOCK_N=64, num_warps=4)
     return query
 
 
@@ -373,22 +425,26 @@ def triton_mla_value(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 @_jit
 def _mla_query_kernel(q_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, T, stride_qt, stride_qh, stride_wh, stride_wd,
                       NOPE: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      ROPE_APART: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows past T load row T - 1 again (no masks on the loads) and store nothing. Row offsets are
-    int64: a long prefill's T * H * 576 passes 2^31."""
+    int64: a long prefill's T * H * 576 passes 2^31. The rope dims: ROPE_APART, the programs of
+    column block LATENT / BLOCK_N (at 64-token blocks, where after a product's they lengthened the
+    launch's slowest program); else column block 0's, after its product (at 16-token blocks, where
+    the extra programs cost more)."""
     h, n_blk = tl.program_id(0), tl.program_id(1)
     rm = (tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rows = tl.minimum(rm, T - 1)
     heads = tl.num_programs(0)
     q_rows = q_ptr + rows[:, None] * stride_qt + h * stride_qh
-    rn = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    rd = tl.arange(0, NOPE)
-    w = tl.load(w_ptr + h * stride_wh + rd[:, None] * stride_wd + rn[None, :])  # [NOPE, BLOCK_N]
-    acc = tl.dot(tl.load(q_rows + rd[None, :]), w)
     out_rows = out_ptr + (rm[:, None] * heads + h) * (LATENT + 2 * HALF)
     stored = (rm < T)[:, None]
-    tl.store(out_rows + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=stored)
-    if n_blk == 0:
+    if n_blk < LATENT // BLOCK_N:
+        rn = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        rd = tl.arange(0, NOPE)
+        w = tl.load(w_ptr + h * stride_wh + rd[:, None] * stride_wd + rn[None, :])  # [NOPE, BLOCK_N]
+        acc = tl.dot(tl.load(q_rows + rd[None, :]), w)
+        tl.store(out_rows + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=stored)
+    if n_blk == (LATENT // BLOCK_N if ROPE_APART else 0):
         idx = tl.arange(0, HALF)
         cos = tl.load(cos_ptr + rows[:, None] * HALF + idx[None, :])
         sin = tl.load(sin_ptr + rows[:, None] * HALF + idx[None, :])
