@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ class ForwardMode(enum.Enum):
     DRAFT_EXTEND = "draft_extend"  # fixed tokens per request (num_steps + 1), causal
 
 
-_ARANGES: dict[tuple, torch.Tensor] = {}  # const_arange's, by (end, device, step, dtype)
+_CONSTANTS: dict[tuple, torch.Tensor] = {}  # const_tensor's, by (key, device)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -70,20 +70,27 @@ def decode_kv(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return dequantize_v32(rows) if rows.dtype == V32_FP8_DTYPE else rows.float() * scale
 
 
-def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``arange(0, end, step)`` built once per device and reused (read-only): the index vectors
-    of uniform passes are constants, not kernels in every pass and every graph replay. Under
-    stream capture an uncached one is built inside the graph: a tensor first made there holds
-    nothing until the graph's first replay, so it is not cached."""
-    key = (end, torch.device(device), step, dtype)
-    cached = _ARANGES.get(key)
+def const_tensor(key: tuple, device: torch.device, make: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
+    """``make(device)`` built once per (key, device) and reused (read-only): a pass's index vectors
+    and layouts are constants, not kernels in every pass and every graph replay. Under stream
+    capture an uncached one is built inside the graph: a tensor first made there holds nothing
+    until the graph's first replay, so it is not cached. key names the tensor in full, e.g.
+    ("arange", 6, 1, torch.long)."""
+    device = torch.device(device)
+    cached = _CONSTANTS.get((key, device))
     if cached is not None:
         return cached
     with torch.inference_mode(False):  # a normal tensor: usable inside inference mode or not
-        t = torch.arange(0, end, step, dtype=dtype, device=device)
+        t = make(device)
     if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _ARANGES[key] = t
+        _CONSTANTS[(key, device)] = t
     return t
+
+
+def const_arange(end: int, device: torch.device, step: int = 1, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``arange(0, end, step)`` on ``device`` as a const_tensor."""
+    return const_tensor(("arange", end, step, dtype), device,
+                        lambda dev: torch.arange(0, end, step, dtype=dtype, device=dev))
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from attn.base import const_arange
+from attn.base import const_arange, const_tensor
 from specdec import softmax_topk
 from specdec.sampling import tempered
 
@@ -149,13 +149,23 @@ class DraftChain:
             raise ValueError(f"a chain of {len(self.tokens)} drafted tokens verifies {len(self.tokens) + 1} nodes, "
                              f"not num_draft_tokens={num_draft_tokens}")
         batch, n = root.shape[0], num_draft_tokens
-        depth = const_arange(n, root.device)[None, :].expand(batch, -1)
-        parents = (depth - 1).clamp(min=0)
-        mask = depth[:, :, None] >= depth[:, None, :]  # [B, n, n]: every earlier node is an ancestor
+        depth, parents, ranks, mask = (t.expand(batch, *t.shape[1:]) for t in chain_layout(n, root.device))
         if mask_out is not None:
             mask_out[:batch, :n, :n].copy_(mask)
             mask = mask_out[:batch, :n, :n]
-        return VerifyTree(torch.cat([root[:, None], *self.tokens], dim=1), parents, depth, torch.zeros_like(depth), mask)
+        return VerifyTree(torch.cat([root[:, None], *self.tokens], dim=1), parents, depth, ranks, mask)
+
+
+def chain_layout(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A chain of ``n`` nodes' (depth, parents, ranks) ``[1, n]`` int64 and mask ``[1, n, n]`` bool,
+    constants (const_tensor). E.g. n = 3: depth [0, 1, 2], parents [0, 0, 1], ranks [0, 0, 0],
+    mask lower-triangular (every earlier node is an ancestor)."""
+    depth = const_arange(n, device)[None, :]
+    return (depth,
+            const_tensor(("chain parents", n), device, lambda dev: (torch.arange(n, device=dev) - 1).clamp(min=0)[None]),
+            const_tensor(("chain ranks", n), device, lambda dev: torch.zeros(1, n, dtype=torch.long, device=dev)),
+            const_tensor(("chain mask", n), device,
+                         lambda dev: torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]))
 
 
 def start_tree(probs: torch.Tensor, ids: torch.Tensor) -> DraftTree | DraftChain:
