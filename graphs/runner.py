@@ -42,6 +42,7 @@ from specdec.guard import CallGuard, exclusive
 from specdec.kv import PADDING_ROW
 from specdec.state import DecodeState
 from specdec.step import SpecStep
+from specdec.step_kernels import copy_tensors
 from specdec.tree import VerifyTree
 
 
@@ -184,7 +185,7 @@ class GraphRunner:
             new = step.draft_extend(st, out["result"], out["hidden"], draft_rows, kv_bound)
             new.seq_lens = torch.where(target_rows == PADDING_ROW, 0, new.seq_lens)  # padding stays in bounds
             pairs = [(old, t) for old, t in zip(vars(st).values(), vars(new).values()) if t is not old]
-            torch._foreach_copy_(*map(list, zip(*pairs)))
+            copy_tensors(*map(list, zip(*pairs)))  # one launch for the six copies
 
         return dict(zip(GRAPH_KINDS, (draft, verify, draft_extend))), out
 

@@ -131,3 +131,73 @@ def _rows_to_host_kernel(src_ptr, dst_ptr, stride_src, WIDTH, W_PAD: tl.constexp
     i = tl.arange(0, W_PAD)
     col = i < WIDTH
     tl.store(dst_ptr + b * WIDTH + i, tl.load(src_ptr + b * stride_src + i, mask=col), mask=col)
+
+
+# ------------------------------------------------------------------------- the next state
+MAX_COPIES = 8  # tensor pairs copy_tensors moves in one launch
+
+
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for each pair: one kernel on a GPU where every pair is contiguous tensors of
+    one shape and dtype and there are at most MAX_COPIES (the graphed step's next state: six pairs,
+    which torch._foreach_copy_ makes six memcpy nodes); else torch._foreach_copy_."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"copy_tensors: {len(dsts)} destinations for {len(srcs)} sources")
+    if dsts and on_triton(*dsts, *srcs) and all(t.is_cuda for t in (*dsts, *srcs)) and _copies_as_bytes(dsts, srcs):
+        triton_copy_tensors(dsts, srcs)
+    elif dsts:
+        torch._foreach_copy_(dsts, srcs)
+
+
+def _copies_as_bytes(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
+    return len(dsts) <= MAX_COPIES and all(d.shape == s.shape and d.dtype == s.dtype and d.is_contiguous()
+                                           and s.is_contiguous() for d, s in zip(dsts, srcs))
+
+
+def triton_copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """copy_tensors' kernel (any device Triton runs on, its interpreter included): each pair's
+    bytes, program (i, p) the i-th COPY_BLOCK bytes of pair p."""
+    if len(dsts) != len(srcs) or not _copies_as_bytes(dsts, srcs):
+        raise ValueError(f"copy_tensors' kernel takes at most {MAX_COPIES} pairs of contiguous tensors of one shape "
+                         f"and dtype, got {[(tuple(d.shape), d.dtype) for d in dsts]} <- "
+                         f"{[(tuple(s.shape), s.dtype) for s in srcs]}")
+    if not dsts:
+        return
+    flat = [(s.reshape(-1).view(torch.uint8), d.reshape(-1).view(torch.uint8)) for d, s in zip(dsts, srcs)]
+    sizes = [s.numel() for s, _ in flat] + [0] * (MAX_COPIES - len(flat))
+    flat += [flat[0]] * (MAX_COPIES - len(flat))  # the unused slots' programs are not launched
+    if max(sizes):
+        args = [a for (s, d), n in zip(flat, sizes) for a in (s, d, n)]
+        _copy_kernel[(triton.cdiv(max(sizes), COPY_BLOCK), len(dsts))](*args, BLOCK=COPY_BLOCK, num_warps=4)
+
+
+COPY_BLOCK = 4096  # bytes a program copies
+
+
+@_jit
+def _copy_bytes(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@_jit
+def _copy_kernel(s0, d0, n0, s1, d1, n1, s2, d2, n2, s3, d3, n3, s4, d4, n4, s5, d5, n5, s6, d6, n6, s7, d7, n7,
+                 BLOCK: tl.constexpr):
+    """Program (i, p) copies bytes [i * BLOCK, (i + 1) * BLOCK) of pair p (s_p -> d_p, n_p bytes)."""
+    pair = tl.program_id(1)
+    if pair == 0:
+        _copy_bytes(s0, d0, n0, BLOCK)
+    elif pair == 1:
+        _copy_bytes(s1, d1, n1, BLOCK)
+    elif pair == 2:
+        _copy_bytes(s2, d2, n2, BLOCK)
+    elif pair == 3:
+        _copy_bytes(s3, d3, n3, BLOCK)
+    elif pair == 4:
+        _copy_bytes(s4, d4, n4, BLOCK)
+    elif pair == 5:
+        _copy_bytes(s5, d5, n5, BLOCK)
+    elif pair == 6:
+        _copy_bytes(s6, d6, n6, BLOCK)
+    else:
+        _copy_bytes(s7, d7, n7, BLOCK)

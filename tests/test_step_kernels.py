@@ -55,6 +55,31 @@ def check_all(device):
         [[4, 5, 6, 9]], [[5, 6, 7, 8]], [10], [100], [-1])))  # chain_report's docstring example
     assert report.tolist() == [[5, 6, 7, -1, 2, 3, 0]] and got.bonus.tolist() == [7]
     check_rows_to_host(device)
+    check_copy_tensors(device)
+
+
+def check_copy_tensors(device):
+    # a DecodeState's six fields, of four dtypes and sizes past one block (hidden: 2 x 3000 bf16
+    # = 12000 bytes), into the first rows of wider buffers; the buffers' other rows untouched
+    gen = torch.Generator().manual_seed(1)
+    srcs = [torch.randint(-9, 9, (2,), generator=gen), torch.randn(2, 3000, generator=gen).bfloat16(),
+            torch.rand(2, 1, generator=gen), torch.randint(0, 9, (2, 1), generator=gen), torch.tensor([True, False]),
+            torch.randint(0, 9, (2,), generator=gen).int()]
+    srcs = [t.to(device) for t in srcs]
+    bufs = [torch.full((5, *t.shape[1:]), 7, dtype=t.dtype, device=device) for t in srcs]
+    before = [b.clone() for b in bufs]
+    step_kernels.triton_copy_tensors([b[:2] for b in bufs], srcs)
+    for b, old, t in zip(bufs, before, srcs):
+        assert torch.equal(b[:2], t) and torch.equal(b[2:], old[2:]), t.dtype
+    step_kernels.triton_copy_tensors([], [])  # nothing to copy
+    for dsts, what in (([bufs[0][:2]] * 9, "9 pairs"), ([bufs[1][:2, :5]], "not contiguous"),
+                       ([bufs[2][:2].double()], "dtype")):
+        try:
+            step_kernels.triton_copy_tensors(dsts, srcs[:len(dsts)] if len(dsts) < 9 else [srcs[0]] * 9)
+        except ValueError as e:
+            assert "copy_tensors" in str(e)
+        else:
+            raise AssertionError(what)
 
 
 def check_rows_to_host(device):
