@@ -43,6 +43,12 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
         torch.testing.assert_close(got, torch.cat(halves, dim=-1), atol=0, rtol=0)  # each half is rms_norm's kernel
         ref = torch.cat([ops._torch_rms_norm(table[ids], w, 1e-6), ops._torch_rms_norm(hidden, hw, 0.5)], dim=-1)
         torch.testing.assert_close(ops.mtp_input(ids, table, hidden, w, hw, 1e-6, 0.5), ref, **tol(dtype))
+        normed, h = ops.triton_embed_norm(ids, table, w, 1e-6)  # rms_norm's kernel over the looked-up rows
+        torch.testing.assert_close(h, table[ids], atol=0, rtol=0)
+        torch.testing.assert_close(normed, ops.triton_rms_norm(table[ids], w, 1e-6)[0], atol=0, rtol=0)
+        ref_n, ref_h = ops.embed_norm(ids.cpu(), table.cpu(), w.cpu(), 1e-6)  # the torch path
+        torch.testing.assert_close(normed.cpu(), ref_n, **tol(dtype))
+        assert not ops.triton_embed_norm(torch.tensor([50, -1], device=device), table, w, 1e-6)[1].any()
         unknown = ops.triton_mtp_input(torch.tensor([50, -1], device=device), table, hidden[:2], w, hw, 1e-6, 0.5)
         assert not unknown[:, :d].any()  # an id outside the table: a zero row, not another row's
         torch.testing.assert_close(unknown[:, d:], got[:2, d:], atol=0, rtol=0)

@@ -328,7 +328,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         check_inputs(input_ids, positions, self.config.vocab_size)
         rope = self.rotary(positions)
         layers = self.model.layers
-        h, residual = layers[0].input_layernorm.residual(self.model.embed_tokens(input_ids), None)
+        first = layers[0].input_layernorm
+        if self.parallel.size == 1:  # the lookup and the first norm in one kernel
+            h, residual = ops.embed_norm(input_ids, self.embed_tokens.weight, first.weight, first.eps)
+        else:
+            h, residual = first.residual(self.embed_tokens(input_ids), None)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = layer(h, residual, rope, backend, batch, next_norm)

@@ -123,6 +123,44 @@ def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, st
                  eps, HAS_RESIDUAL, HAS_RESIDUAL)
 
 
+# ------------------------------------------------------------------- embedding + norm
+def embed_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first layer's input: ids ``[T]`` int64, table ``[V, D]`` -> (rms_norm(h), h), h =
+    table[ids] ``[T, D]``, as rms_norm computes it. One kernel on a GPU, a program per token, where
+    torch launches the lookup and the norm; there an id outside the table gives a zero row (torch's
+    lookup raises)."""
+    if on_triton(table, weight) and table.dim() == 2 and table.stride(1) == 1 and ids.dim() == 1:
+        return triton_embed_norm(ids, table, weight, eps)
+    return rms_norm(F.embedding(ids, table), weight, eps)
+
+
+def triton_embed_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """embed_norm's kernel: rms_norm's tile and warps, so the norm equals triton_rms_norm's of h."""
+    t, d = ids.shape[0], table.shape[1]
+    out, h = table.new_empty(t, d), table.new_empty(t, d)
+    if t:
+        _embed_norm_kernel[(t,)](ids, table, weight, h, out, table.shape[0], d, ids.stride(0), table.stride(0), eps,
+                                 **row_launch(d))
+    return out, h
+
+
+@_jit
+def _embed_norm_kernel(ids_ptr, table_ptr, w_ptr, h_ptr, out_ptr, V, D, stride_ids, stride_table, eps,
+                       BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    w = norm_weight(w_ptr + cols, mask)
+    token = tl.load(ids_ptr + t * stride_ids)
+    known = (token >= 0) & (token < V)
+    row = tl.where(known, token, 0).to(tl.int64)
+    x = tl.load(table_ptr + row * stride_table + cols, mask=mask & known, other=0.0)
+    at = t.to(tl.int64) * D + cols
+    add_and_norm(x, h_ptr + at, h_ptr + at, out_ptr + at, w, mask, D, eps, False, True)
+
+
 # ------------------------------------------------------------------------- MTP input
 def mtp_input(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, e_weight: torch.Tensor,
               h_weight: torch.Tensor, e_eps: float, h_eps: float) -> torch.Tensor:
