@@ -134,7 +134,7 @@ def _rows_to_host_kernel(src_ptr, dst_ptr, stride_src, WIDTH, W_PAD: tl.constexp
 
 
 # ------------------------------------------------------------------------- the next state
-MAX_COPIES = 8  # tensor pairs copy_tensors moves in one launch
+MAX_COPIES = 8  # tensor pairs copy_tensors moves in one launch (its kernel unrolls a branch a pair)
 
 
 def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -163,41 +163,23 @@ def triton_copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> N
                          f"{[(tuple(s.shape), s.dtype) for s in srcs]}")
     if not dsts:
         return
-    flat = [(s.reshape(-1).view(torch.uint8), d.reshape(-1).view(torch.uint8)) for d, s in zip(dsts, srcs)]
-    sizes = [s.numel() for s, _ in flat] + [0] * (MAX_COPIES - len(flat))
-    flat += [flat[0]] * (MAX_COPIES - len(flat))  # the unused slots' programs are not launched
+    srcs_b = tuple(s.reshape(-1).view(torch.uint8) for s in srcs)
+    dsts_b = tuple(d.reshape(-1).view(torch.uint8) for d in dsts)
+    sizes = tuple(s.numel() for s in srcs_b)
     if max(sizes):
-        args = [a for (s, d), n in zip(flat, sizes) for a in (s, d, n)]
-        _copy_kernel[(triton.cdiv(max(sizes), COPY_BLOCK), len(dsts))](*args, BLOCK=COPY_BLOCK, num_warps=4)
+        _copy_kernel[(triton.cdiv(max(sizes), COPY_BLOCK), len(dsts))](srcs_b, dsts_b, sizes, PAIRS=len(dsts),
+                                                                       BLOCK=COPY_BLOCK, num_warps=4)
 
 
 COPY_BLOCK = 4096  # bytes a program copies
 
 
 @_jit
-def _copy_bytes(src, dst, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
-
-
-@_jit
-def _copy_kernel(s0, d0, n0, s1, d1, n1, s2, d2, n2, s3, d3, n3, s4, d4, n4, s5, d5, n5, s6, d6, n6, s7, d7, n7,
-                 BLOCK: tl.constexpr):
-    """Program (i, p) copies bytes [i * BLOCK, (i + 1) * BLOCK) of pair p (s_p -> d_p, n_p bytes)."""
+def _copy_kernel(srcs, dsts, sizes, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (i, p) copies bytes [i * BLOCK, (i + 1) * BLOCK) of pair p: srcs[p] -> dsts[p], of
+    sizes[p] bytes (tuples of PAIRS)."""
     pair = tl.program_id(1)
-    if pair == 0:
-        _copy_bytes(s0, d0, n0, BLOCK)
-    elif pair == 1:
-        _copy_bytes(s1, d1, n1, BLOCK)
-    elif pair == 2:
-        _copy_bytes(s2, d2, n2, BLOCK)
-    elif pair == 3:
-        _copy_bytes(s3, d3, n3, BLOCK)
-    elif pair == 4:
-        _copy_bytes(s4, d4, n4, BLOCK)
-    elif pair == 5:
-        _copy_bytes(s5, d5, n5, BLOCK)
-    elif pair == 6:
-        _copy_bytes(s6, d6, n6, BLOCK)
-    else:
-        _copy_bytes(s7, d7, n7, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    for p in tl.static_range(PAIRS):
+        if pair == p:
+            tl.store(dsts[p] + offs, tl.load(srcs[p] + offs, mask=offs < sizes[p]), mask=offs < sizes[p])
