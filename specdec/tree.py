@@ -162,7 +162,8 @@ def chain_layout(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     mask lower-triangular (every earlier node is an ancestor)."""
     depth = const_arange(n, device)[None, :]
     return (depth,
-            const_tensor(("chain parents", n), device, lambda dev: (torch.arange(n, device=dev) - 1).clamp(min=0)[None]),
+            const_tensor(("chain parents", n), device,
+                         lambda dev: (torch.arange(n, device=dev) - 1).clamp(min=0)[None]),
             const_tensor(("chain ranks", n), device, lambda dev: torch.zeros(1, n, dtype=torch.long, device=dev)),
             const_tensor(("chain mask", n), device,
                          lambda dev: torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]))

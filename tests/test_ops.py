@@ -61,7 +61,7 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
         inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2, device=device).float() / 64)
         freqs = pos.float() * inv_freq[None]
         cos, sin = freqs.cos(), freqs.sin()
-        long_pos = torch.tensor([0, 1, 4095, 163839, 70000, 12345, 99] * 20, device=device)[::2]  # 70 positions, stride 2
+        long_pos = torch.tensor([0, 1, 4095, 163839, 70000, 12345, 99] * 20, device=device)[::2]  # 70, stride 2
         for factor in (1.0, 0.7071):
             want = [f * factor for f in ((long_pos[:, None] * inv_freq).cos(), (long_pos[:, None] * inv_freq).sin())]
             for got, ref in zip(ops.triton_rope_cos_sin(long_pos, inv_freq, factor), want):
