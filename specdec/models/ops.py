@@ -147,16 +147,23 @@ def triton_embed_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tens
 
 
 @_jit
+def lookup_row(id_ptr, table_ptr, stride_table, V, cols, mask):
+    """The table row of the id at id_ptr, ``[BLOCK]`` (zeros past the row's D); an id outside
+    [0, V) gives a zero row."""
+    token = tl.load(id_ptr)
+    known = (token >= 0) & (token < V)
+    row = tl.where(known, token, 0).to(tl.int64)
+    return tl.load(table_ptr + row * stride_table + cols, mask=mask & known, other=0.0)
+
+
+@_jit
 def _embed_norm_kernel(ids_ptr, table_ptr, w_ptr, h_ptr, out_ptr, V, D, stride_ids, stride_table, eps,
                        BLOCK: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     w = norm_weight(w_ptr + cols, mask)
-    token = tl.load(ids_ptr + t * stride_ids)
-    known = (token >= 0) & (token < V)
-    row = tl.where(known, token, 0).to(tl.int64)
-    x = tl.load(table_ptr + row * stride_table + cols, mask=mask & known, other=0.0)
+    x = lookup_row(ids_ptr + t * stride_ids, table_ptr, stride_table, V, cols, mask)
     at = t.to(tl.int64) * D + cols
     add_and_norm(x, h_ptr + at, h_ptr + at, out_ptr + at, w, mask, D, eps, False, True)
 
@@ -198,12 +205,9 @@ def _mtp_input_kernel(ids_ptr, table_ptr, hidden_ptr, ew_ptr, hw_ptr, out_ptr, V
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     ew, hw = norm_weight(ew_ptr + cols, mask), norm_weight(hw_ptr + cols, mask)
-    token = tl.load(ids_ptr + t * stride_ids)
-    known = (token >= 0) & (token < V)
-    row = tl.where(known, token, 0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     out = out_ptr + t.to(tl.int64) * (2 * D)
-    embedded = tl.load(table_ptr + row * stride_table + cols, mask=mask & known, other=0.0)
+    embedded = lookup_row(ids_ptr + t * stride_ids, table_ptr, stride_table, V, cols, mask)
     tl.store(out + cols, normed_row(embedded, ew, D, e_eps, dtype), mask=mask)
     h = tl.load(hidden_ptr + t.to(tl.int64) * stride_hidden + cols, mask=mask, other=0.0)
     tl.store(out + D + cols, normed_row(h, hw, D, h_eps, dtype), mask=mask)
@@ -261,7 +265,9 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
     One kernel on a GPU where torch takes three to five (the product, cos, sin, the scalings); the
     same fp32 product and libdevice's cos/sin, which torch's CUDA kernels call too. E.g. position
     4095 at frequency 1.0: (cos, sin) = (-0.0660, -0.9978)."""
-    if on_triton(positions, inv_freq) and positions.dim() == 1 and inv_freq.is_contiguous():
+    half = inv_freq.shape[0]
+    if (on_triton(positions, inv_freq) and positions.dim() == 1 and inv_freq.is_contiguous()
+            and inv_freq.dtype == torch.float32 and half & (half - 1) == 0):
         return triton_rope_cos_sin(positions, inv_freq, factor)
     freqs = positions[:, None] * inv_freq[None, :]  # fp32: one kernel, no cast
     if factor == 1.0:
