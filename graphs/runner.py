@@ -269,7 +269,7 @@ class GraphRunner:
 
     def _make_views(self, b: int, bucket: int, kv_bound: Optional[int]) -> tuple:
         out, rows = self.captured[bucket, kv_bound].outputs, slice(0, b)
-        views = (AcceptResult(*(t[rows] for t in vars(out["result"]).values())),
+        views = (AcceptResult(*(None if t is None else t[rows] for t in vars(out["result"]).values())),
                  DecodeState.of(self.static.view(b)),
                  VerifyTree(*(t[rows] for t in vars(out["tree"]).values())))
         self._views[b, bucket, kv_bound] = views

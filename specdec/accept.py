@@ -27,12 +27,16 @@ class AcceptResult:
     """Per request: accept_len ``[B]`` int64 accepted draft tokens (0..num_steps);
     path ``[B, num_steps + 1]`` int64 tree nodes of the accepted path (path[:, 0] = root; entries
     past accept_len repeat the last accepted node); emitted ``[B, num_steps + 1]`` int64: the
-    accepted draft tokens then the bonus token, -1 past ``accept_len + 1``; bonus ``[B]``."""
+    accepted draft tokens then the bonus token, -1 past ``accept_len + 1``; bonus ``[B]``;
+    extend_ids ``[B, num_steps + 1]`` int64 or None: draft-extend's input tokens, emitted up to
+    ``accept_len + 1`` and any token id past it, where the acceptance has them at no cost (None:
+    emitted with its -1 as 0)."""
 
     accept_len: torch.Tensor
     path: torch.Tensor
     emitted: torch.Tensor
     bonus: torch.Tensor
+    extend_ids: Optional[torch.Tensor] = None
 
 
 def greedy_accept(tree: VerifyTree, target_pred: torch.Tensor, num_steps: int) -> AcceptResult:

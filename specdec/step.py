@@ -21,15 +21,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attn.base import ForwardMode, const_arange
+from attn.base import ForwardMode
 from attn.multistep import MultiStepDraftBackend
 from specdec.accept import (AcceptResult, chain_accept, greedy_accept, stop_at_limits, target_probs,
                             tree_rejection_sample)
-from specdec.batch import run_pass, uniform_batch
+from specdec.batch import run_pass, uniform_pass
 from specdec.config import SpecConfig
 from specdec.kv import MLAKVPool
 from specdec.state import DecodeState, HostCopy
-from specdec.step_kernels import chain_report, serves_chain_report
+from specdec.step_kernels import chain_report, row_of_each, serves_chain_report
 from specdec.tree import VerifyTree, start_tree, topk_probs
 
 KV_BOUND_GAP = 64  # kv rows within which SpecStep.kv_len_buckets keeps one bound
@@ -100,11 +100,12 @@ class SpecStep:
         cfg, off = self.config, self.draft_offset
         topk, bs = cfg.topk, st.root.shape[0]
         tree = start_tree(st.cand_probs, st.cand_ids)
-        batches = [
-            uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, st.seq_lens, topk,
-                          off + (j - 1) * topk, None if topk == 1 else mask[:bs], _bound(kv_bound, off + j * topk))
+        passes = [
+            uniform_pass(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, st.seq_lens, topk,
+                         off + (j - 1) * topk, None if topk == 1 else mask[:bs], _bound(kv_bound, off + j * topk))
             for j, mask in zip(range(1, cfg.num_steps), self.draft_backend.tree_masks())
         ]
+        batches = [batch for batch, _ in passes]
         if batches:
             self.draft_backend.init_forward_metadata(batches)
         temperature = self._temperatures(st, topk)
@@ -112,7 +113,7 @@ class SpecStep:
         if topk > 1:
             eye = torch.eye(topk, dtype=torch.bool, device=self.device).expand(bs, -1, -1)
             ancestors = eye[:, :, :0]  # [B, topk, j * topk]: which drafted kv rows each frontier node sees
-        for j, (batch, backend) in enumerate(zip(batches, self.draft_backend.steps), start=1):
+        for j, ((batch, kv_index), backend) in enumerate(zip(passes, self.draft_backend.steps), start=1):
             if topk > 1:  # each frontier node continues its parent's hidden state and sees its ancestors
                 parent_slot = tree.frontier_parent[:, :, None]
                 if j > 1:
@@ -120,7 +121,8 @@ class SpecStep:
                     hidden = hidden.gather(1, parent_slot.expand(-1, -1, hidden.shape[2]))
                 ancestors = torch.cat([ancestors, eye], dim=2)
                 batch.custom_mask.copy_(ancestors)
-            positions = (st.seq_lens + (off + j - 1))[:, None].expand(-1, topk).flatten()
+            # a chain's token sits at its position; a tree's topk frontier nodes share theirs
+            positions = kv_index if topk == 1 else (st.seq_lens + (off + j - 1))[:, None].expand(-1, topk).flatten()
             out = self.draft_model(tree.frontier_tokens.flatten(), positions, hidden.flatten(0, 1), backend, batch)
             probs, ids = topk_probs(self.draft_model.compute_logits(out), topk, temperature)
             hidden = out.view(bs, topk, -1)
@@ -144,9 +146,10 @@ class SpecStep:
         fp32, hidden ``[B, ndt, D]``)."""
         ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
-        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows, st.seq_lens, ndt, 0, mask,
-                              _bound(kv_bound, ndt))
-        positions = (st.seq_lens[:, None] + tree.depth).flatten()
+        batch, kv_index = uniform_pass(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows, st.seq_lens,
+                                       ndt, 0, mask, _bound(kv_bound, ndt))
+        # a chain's node i sits at depth i; a tree's at its depth
+        positions = kv_index if self.config.topk == 1 else (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = run_pass(self.target, self.verify_backend, batch, tree.tokens.flatten(), positions)
         logits = self.target.compute_logits(hidden)
         return logits.view(-1, ndt, logits.shape[-1]), hidden.view(-1, ndt, hidden.shape[-1])
@@ -188,11 +191,10 @@ class SpecStep:
         """Draft over the accepted tokens + bonus (num_steps + 1 rows per request, the first
         accept_len + 1 real); returns the next state (root, N, draft hidden, first candidates)."""
         q_len = self.config.num_steps + 1
-        draft_len = st.seq_lens + self.draft_offset
-        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, st.seq_lens, q_len,
-                              self.draft_offset, max_kv_len=_bound(kv_bound, self.draft_offset + q_len))
-        ids = result.emitted.clamp(min=0)
-        positions = (draft_len[:, None] + const_arange(q_len, self.device)).flatten()
+        # the rows sit at draft positions N + draft_offset + [0, q_len): their kv indices
+        batch, positions = uniform_pass(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, st.seq_lens,
+                                        q_len, self.draft_offset, max_kv_len=_bound(kv_bound, self.draft_offset + q_len))
+        ids = result.emitted.clamp(min=0) if result.extend_ids is None else result.extend_ids
         # A chain's accepted path is nodes 0..accept_len in order, and the rows past it are never
         # read (the next draft overwrites their KV first), so the verify hidden states serve as is.
         hidden_in = verify_hidden
@@ -200,8 +202,7 @@ class SpecStep:
             hidden_in = verify_hidden.gather(1, result.path[:, :, None].expand(-1, -1, verify_hidden.shape[-1]))
         out = run_pass(self.draft_model, self.draft_extend_backend, batch, ids.flatten(), positions,
                        hidden_in.flatten(0, 1))
-        dim = out.shape[-1]
-        last = out.view(-1, q_len, dim).gather(1, result.accept_len[:, None, None].expand(-1, 1, dim)).squeeze(1)
+        last = row_of_each(out, q_len, result.accept_len)
         cand = topk_probs(self.draft_model.compute_logits(last), self.config.topk, self._temperatures(st, 1))
         return st.advance(result.bonus, st.seq_lens + result.accept_len + 1, last, cand)
 

@@ -17,33 +17,36 @@ from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
 # ------------------------------------------------------------------------------ pass slots
 def pass_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, first: int,
-               q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uniform pass's cache slots and kv lengths: request b's q_len new tokens sit at kv indices
-    ``lens[b] + first + [0, q_len)`` of req_to_token row ``rows[b]``.
+               q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A uniform pass's cache slots, kv lengths and kv indices: request b's q_len new tokens sit at
+    kv indices ``lens[b] + first + [0, q_len)`` of req_to_token row ``rows[b]``.
 
     req_to_token ``[R, C]`` int32, rows / lens ``[B]`` int64 -> (out_cache_loc ``[B * q_len]``
-    int64, seq_lens ``[B]`` int32 = lens + first + q_len). E.g. lens [7], first 1, q_len 2: kv
-    indices 8 and 9, seq_lens [10]."""
+    int64, seq_lens ``[B]`` int32 = lens + first + q_len, kv indices ``[B * q_len]`` int64: a
+    chain's positions). E.g. lens [7], first 1, q_len 2: slots of kv indices 8 and 9, seq_lens
+    [10], kv indices [8, 9]."""
     if on_triton(rows) and req_to_token.stride(1) == 1:
         return triton_pass_slots(req_to_token, rows, lens, first, q_len)
     index = lens[:, None] + first + const_arange(q_len, rows.device)[None, :]
-    return req_to_token[rows[:, None], index].flatten().long(), (lens + first + q_len).int()
+    return req_to_token[rows[:, None], index].flatten().long(), (lens + first + q_len).int(), index.flatten()
 
 
 def triton_pass_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, first: int,
-                      q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pass_slots' kernel (any device Triton runs on, its interpreter included)."""
     bs = rows.shape[0]
     loc = torch.empty(bs * q_len, dtype=torch.long, device=rows.device)
+    index = torch.empty(bs * q_len, dtype=torch.long, device=rows.device)
     seq_lens = torch.empty(bs, dtype=torch.int32, device=rows.device)
     if bs:
-        _pass_slots_kernel[(bs,)](req_to_token, rows, lens, loc, seq_lens, req_to_token.stride(0), first, q_len,
-                                  Q_PAD=triton.next_power_of_2(q_len), num_warps=1)
-    return loc, seq_lens
+        _pass_slots_kernel[(bs,)](req_to_token, rows, lens, loc, seq_lens, index, req_to_token.stride(0), first,
+                                  q_len, Q_PAD=triton.next_power_of_2(q_len), num_warps=1)
+    return loc, seq_lens, index
 
 
 @_jit
-def _pass_slots_kernel(r2t_ptr, rows_ptr, lens_ptr, loc_ptr, seq_ptr, stride_r2t, FIRST, Q_LEN, Q_PAD: tl.constexpr):
+def _pass_slots_kernel(r2t_ptr, rows_ptr, lens_ptr, loc_ptr, seq_ptr, index_ptr, stride_r2t, FIRST, Q_LEN,
+                       Q_PAD: tl.constexpr):
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b).to(tl.int64)
     start = tl.load(lens_ptr + b).to(tl.int64) + FIRST
@@ -51,6 +54,7 @@ def _pass_slots_kernel(r2t_ptr, rows_ptr, lens_ptr, loc_ptr, seq_ptr, stride_r2t
     keep = i < Q_LEN
     slots = tl.load(r2t_ptr + row * stride_r2t + start + i, mask=keep, other=0)
     tl.store(loc_ptr + b * Q_LEN + i, slots.to(tl.int64), mask=keep)
+    tl.store(index_ptr + b * Q_LEN + i, start + i, mask=keep)
     tl.store(seq_ptr + b, (start + Q_LEN).to(tl.int32))
 
 
@@ -67,7 +71,7 @@ def chain_report(tokens: torch.Tensor, pred: torch.Tensor, seq_lens: torch.Tenso
     tokens ``[B, S + 1]`` (a chain's, the root first); pred ``[B, S + 1]``: the target's argmax
     after each node; seq_lens / limit / eos ``[B]``; all int64. Returns (AcceptResult, the report
     ``[B, S + 4]`` int64: ``[emitted | accept_len | take | done]``); the result's emitted and
-    accept_len are views of the report. E.g. drafts [5, 6, 9], pred [5, 6, 7, 8], no eos, room
+    accept_len are views of the report, its extend_ids pred itself. E.g. drafts [5, 6, 9], pred [5, 6, 7, 8], no eos, room
     left: [5, 6, 7, -1 | 2 | 3 | 0], bonus 7."""
     bs, width = pred.shape
     report = torch.empty(bs, width + 3, dtype=torch.long, device=pred.device)
@@ -76,7 +80,7 @@ def chain_report(tokens: torch.Tensor, pred: torch.Tensor, seq_lens: torch.Tenso
     if bs:
         _chain_report_kernel[(bs,)](tokens, pred, seq_lens, limit, eos, report, path, bonus, tokens.stride(0), width,
                                     W_PAD=triton.next_power_of_2(width), num_warps=1)
-    return AcceptResult(report[:, width], path, report[:, :width], bonus), report
+    return AcceptResult(report[:, width], path, report[:, :width], bonus, pred), report
 
 
 @_jit
@@ -106,6 +110,40 @@ def _chain_report_kernel(tokens_ptr, pred_ptr, lens_ptr, limit_ptr, eos_ptr, rep
     tl.store(out + WIDTH + 1, take)
     tl.store(out + WIDTH + 2, done)
     tl.store(path_ptr + b * WIDTH + i, tl.minimum(i.to(tl.int64), accept_len), mask=col)
+
+
+# ------------------------------------------------------------------------- a row a request
+def row_of_each(x: torch.Tensor, q_len: int, index: torch.Tensor) -> torch.Tensor:
+    """Request b's row ``index[b]`` of its q_len rows: x ``[B * q_len, D]`` (request-major), index
+    ``[B]`` int64 in [0, q_len) -> ``[B, D]``, one kernel on a GPU (torch's gather of an expanded
+    index took 3.5 us at the rank slice's D = 7168). E.g. draft-extend's hidden state at each
+    request's last accepted row: q_len 4, index [2, 0] -> rows 2 and 4 of x."""
+    bs, dim = index.shape[0], x.shape[-1]
+    if x.shape[0] != bs * q_len:
+        raise ValueError(f"row_of_each: x has {x.shape[0]} rows, not {bs} requests x {q_len}")
+    if on_triton(x) and x.dim() == 2 and x.stride(1) == 1:
+        return triton_row_of_each(x, q_len, index)
+    return x.view(bs, q_len, dim).gather(1, index[:, None, None].expand(-1, 1, dim)).squeeze(1)
+
+
+def triton_row_of_each(x: torch.Tensor, q_len: int, index: torch.Tensor) -> torch.Tensor:
+    """row_of_each's kernel (any device Triton runs on, its interpreter included): x ``[B * q_len,
+    D]`` of unit-stride rows."""
+    bs, dim = index.shape[0], x.shape[1]
+    out = x.new_empty(bs, dim)
+    if bs and dim:
+        block = min(triton.next_power_of_2(dim), 8192)
+        _row_of_each_kernel[(bs, triton.cdiv(dim, block))](x, index, out, dim, x.stride(0), q_len, BLOCK=block,
+                                                            num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+@_jit
+def _row_of_each_kernel(x_ptr, index_ptr, out_ptr, D, stride_x, Q_LEN, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = b * Q_LEN + tl.load(index_ptr + b)
+    tl.store(out_ptr + b * D + cols, tl.load(x_ptr + row * stride_x + cols, mask=cols < D), mask=cols < D)
 
 
 # ------------------------------------------------------------------ rows to pinned host memory

@@ -1,6 +1,7 @@
 """specdec.step_kernels: each kernel against the torch path it replaces (pass_slots: the index
 ops of a uniform pass; chain_report: chain_accept, stop_at_limits and StepReport.pack;
-rows_to_host: a copy into pinned memory), under Triton's interpreter on the CPU and on a GPU."""
+rows_to_host: a copy into pinned memory; row_of_each: a gather), under Triton's interpreter on
+the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def check_all(device):
     rows = torch.tensor([4, 0, 5], device=device)
     lens = torch.tensor([0, 17, 290], device=device)
     for first, q_len in ((0, 1), (1, 4), (0, 8), (3, 5)):
-        loc, seq = step_kernels.triton_pass_slots(r2t, rows, lens, first, q_len)
-        ref_loc, ref_seq = step_kernels.pass_slots(r2t.cpu(), rows.cpu(), lens.cpu(), first, q_len)
+        loc, seq, index = step_kernels.triton_pass_slots(r2t, rows, lens, first, q_len)
+        ref_loc, ref_seq, ref_index = step_kernels.pass_slots(r2t.cpu(), rows.cpu(), lens.cpu(), first, q_len)
         assert torch.equal(loc.cpu(), ref_loc) and loc.dtype == torch.int64, (first, q_len)
         assert torch.equal(seq.cpu(), ref_seq) and seq.dtype == torch.int32
+        assert torch.equal(index.cpu(), ref_index) and index.dtype == torch.int64
+        assert torch.equal(r2t.cpu()[rows.cpu().repeat_interleave(q_len), ref_index].long(), ref_loc)
     for steps in (1, 3, 6):
         bs = 64
         pred = torch.randint(0, 4, (bs, steps + 1), generator=gen)
@@ -56,6 +59,18 @@ def check_all(device):
     assert report.tolist() == [[5, 6, 7, -1, 2, 3, 0]] and got.bonus.tolist() == [7]
     check_rows_to_host(device)
     check_copy_tensors(device)
+    check_row_of_each(device)
+
+
+def check_row_of_each(device):
+    gen = torch.Generator().manual_seed(1)
+    for bs, q_len, dim, dtype in ((3, 4, 7168, torch.bfloat16), (5, 1, 100, torch.float32), (2, 6, 9000, torch.float16)):
+        x = torch.randn(bs * q_len, dim, generator=gen).to(dtype)
+        index = torch.randint(0, q_len, (bs,), generator=gen)
+        want = x.view(bs, q_len, dim)[torch.arange(bs), index]
+        assert torch.equal(step_kernels.row_of_each(x, q_len, index), want)  # the torch path (CPU)
+        got = step_kernels.triton_row_of_each(x.to(device), q_len, index.to(device))
+        assert torch.equal(got.cpu(), want), (bs, q_len, dim)
 
 
 def check_copy_tensors(device):
@@ -111,8 +126,8 @@ def test_worked_example():
     from specdec import step_kernels
 
     r2t = torch.arange(40, dtype=torch.int32).view(2, 20)
-    loc, seq = step_kernels.pass_slots(r2t, torch.tensor([1]), torch.tensor([7]), 1, 2)
-    assert loc.tolist() == [28, 29] and seq.tolist() == [10]
+    loc, seq, index = step_kernels.pass_slots(r2t, torch.tensor([1]), torch.tensor([7]), 1, 2)
+    assert loc.tolist() == [28, 29] and seq.tolist() == [10] and index.tolist() == [8, 9]
 
 
 def test_rows_to_host_refuses_what_it_cannot_write():

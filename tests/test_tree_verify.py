@@ -110,7 +110,7 @@ def test_draft_chain_and_chain_accept_match_the_general_tree(num_steps):
     ref, res = greedy_accept(want, pred, num_steps), chain_accept(got, pred, num_steps)
     assert (ref.accept_len >= agree).all()
     for name, t in vars(ref).items():
-        assert torch.equal(getattr(res, name), t), name
+        assert (t is None and getattr(res, name) is None) or torch.equal(getattr(res, name), t), name
 
 
 def test_draft_chain_checks_the_tree_size():
