@@ -182,8 +182,7 @@ class GraphRunner:
             out["result"], out["hidden"] = step.verify_and_accept(st, out["tree"], target_rows, kv_bound)
 
         def draft_extend() -> None:
-            new = step.draft_extend(st, out["result"], out["hidden"], draft_rows, kv_bound)
-            new.seq_lens = torch.where(target_rows == PADDING_ROW, 0, new.seq_lens)  # padding stays in bounds
+            new = step.draft_extend(st, out["result"], out["hidden"], draft_rows, kv_bound)  # padding keeps N = 0
             pairs = [(old, t) for old, t in zip(vars(st).values(), vars(new).values()) if t is not old]
             copy_tensors(*map(list, zip(*pairs)))  # one launch for the six copies
 

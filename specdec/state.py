@@ -102,10 +102,11 @@ class DecodeState:
     limit: torch.Tensor
     eos: torch.Tensor
 
-    def advance(self, root: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor, cand: tuple[torch.Tensor, torch.Tensor]) -> "DecodeState":
-        """The next step's state: same sampling parameters and stops, counter + 1."""
+    def advance(self, root: torch.Tensor, seq_lens: torch.Tensor, hidden: torch.Tensor, cand: tuple[torch.Tensor, torch.Tensor],
+                counter: torch.Tensor) -> "DecodeState":
+        """The next step's state: same sampling parameters and stops; counter: this one's + 1."""
         return DecodeState(root, seq_lens, hidden, *cand, self.temperature, self.top_p, self.top_k, self.seed,
-                           self.counter + 1, self.limit, self.eos)
+                           counter, self.limit, self.eos)
 
     def select(self, keep: torch.Tensor) -> "DecodeState":
         return DecodeState(*(t.index_select(0, keep) for t in vars(self).values()))

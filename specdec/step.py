@@ -27,9 +27,9 @@ from specdec.accept import (AcceptResult, chain_accept, greedy_accept, stop_at_l
                             tree_rejection_sample)
 from specdec.batch import run_pass, uniform_pass
 from specdec.config import SpecConfig
-from specdec.kv import MLAKVPool
+from specdec.kv import PADDING_ROW, MLAKVPool
 from specdec.state import DecodeState, HostCopy
-from specdec.step_kernels import chain_report, row_of_each, serves_chain_report
+from specdec.step_kernels import chain_report, next_counts, row_of_each, serves_chain_report
 from specdec.tree import VerifyTree, start_tree, topk_probs
 
 KV_BOUND_GAP = 64  # kv rows within which SpecStep.kv_len_buckets keeps one bound
@@ -189,7 +189,9 @@ class SpecStep:
     def draft_extend(self, st: DecodeState, result: AcceptResult, verify_hidden: torch.Tensor, rows: torch.Tensor,
                      kv_bound: Optional[int] = None) -> DecodeState:
         """Draft over the accepted tokens + bonus (num_steps + 1 rows per request, the first
-        accept_len + 1 real); returns the next state (root, N, draft hidden, first candidates)."""
+        accept_len + 1 real); returns the next state (root, N, draft hidden, first candidates).
+        A request on the pools' PADDING_ROW (a graph bucket's padding: no request owns that row)
+        stays at N = 0."""
         q_len = self.config.num_steps + 1
         # the rows sit at draft positions N + draft_offset + [0, q_len): their kv indices
         batch, positions = uniform_pass(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, st.seq_lens,
@@ -204,7 +206,8 @@ class SpecStep:
                        hidden_in.flatten(0, 1))
         last = row_of_each(out, q_len, result.accept_len)
         cand = topk_probs(self.draft_model.compute_logits(last), self.config.topk, self._temperatures(st, 1))
-        return st.advance(result.bonus, st.seq_lens + result.accept_len + 1, last, cand)
+        seq_lens, counter = next_counts(st.seq_lens, result.accept_len, st.counter, rows, PADDING_ROW)
+        return st.advance(result.bonus, seq_lens, last, cand, counter)
 
     def _temperatures(self, st: DecodeState, repeat: int) -> Optional[torch.Tensor]:
         """Each request's temperature repeated per drafted row, or None (plain softmax) when

@@ -112,6 +112,40 @@ def _chain_report_kernel(tokens_ptr, pred_ptr, lens_ptr, limit_ptr, eos_ptr, rep
     tl.store(path_ptr + b * WIDTH + i, tl.minimum(i.to(tl.int64), accept_len), mask=col)
 
 
+# ------------------------------------------------------------------ the next state's counts
+def next_counts(seq_lens: torch.Tensor, accept_len: torch.Tensor, counter: torch.Tensor, rows: torch.Tensor,
+                padding_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next step's N and counter: (seq_lens + accept_len + 1, 0 on the requests whose row is
+    ``padding_row``; counter + 1), ``[B]`` int64 each; one kernel on a GPU, where torch took five.
+    Padding rows (a graph bucket's unused ones) keep N = 0, so their kv indices stay in bounds.
+    E.g. seq_lens [10, 3], accept_len [2, 1], counter [4, 4], rows [7, 0], padding 0: ([13, 0], [5, 5])."""
+    if on_triton(seq_lens):
+        return triton_next_counts(seq_lens, accept_len, counter, rows, padding_row)
+    return torch.where(rows == padding_row, 0, seq_lens + accept_len + 1), counter + 1
+
+
+def triton_next_counts(seq_lens: torch.Tensor, accept_len: torch.Tensor, counter: torch.Tensor, rows: torch.Tensor,
+                       padding_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """next_counts' kernel (any device Triton runs on, its interpreter included)."""
+    bs = seq_lens.shape[0]
+    lens_out, counter_out = torch.empty_like(seq_lens), torch.empty_like(counter)
+    if bs:
+        block = min(triton.next_power_of_2(bs), 1024)
+        _next_counts_kernel[(triton.cdiv(bs, block),)](seq_lens, accept_len, counter, rows, lens_out, counter_out, bs,
+                                                       padding_row, BLOCK=block, num_warps=4)
+    return lens_out, counter_out
+
+
+@_jit
+def _next_counts_kernel(lens_ptr, accept_ptr, counter_ptr, rows_ptr, lens_out, counter_out, B, PADDING_ROW,
+                        BLOCK: tl.constexpr):
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = b < B
+    lens = tl.load(lens_ptr + b, mask=keep) + tl.load(accept_ptr + b, mask=keep) + 1
+    tl.store(lens_out + b, tl.where(tl.load(rows_ptr + b, mask=keep) == PADDING_ROW, 0, lens), mask=keep)
+    tl.store(counter_out + b, tl.load(counter_ptr + b, mask=keep) + 1, mask=keep)
+
+
 # ------------------------------------------------------------------------- a row a request
 def row_of_each(x: torch.Tensor, q_len: int, index: torch.Tensor) -> torch.Tensor:
     """Request b's row ``index[b]`` of its q_len rows: x ``[B * q_len, D]`` (request-major), index

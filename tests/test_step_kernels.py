@@ -1,7 +1,7 @@
 """specdec.step_kernels: each kernel against the torch path it replaces (pass_slots: the index
 ops of a uniform pass; chain_report: chain_accept, stop_at_limits and StepReport.pack;
-rows_to_host: a copy into pinned memory; row_of_each: a gather), under Triton's interpreter on
-the CPU and on a GPU."""
+rows_to_host: a copy into pinned memory; row_of_each: a gather; next_counts: the next N), under
+Triton's interpreter on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -60,6 +60,21 @@ def check_all(device):
     check_rows_to_host(device)
     check_copy_tensors(device)
     check_row_of_each(device)
+    check_next_counts(device)
+
+
+def check_next_counts(device):
+    gen = torch.Generator().manual_seed(2)
+    for bs in (1, 7, 1500):
+        lens, counter = torch.randint(0, 5000, (bs,), generator=gen), torch.randint(1, 100, (bs,), generator=gen)
+        accept, rows = torch.randint(0, 4, (bs,), generator=gen), torch.randint(0, 3, (bs,), generator=gen)
+        want = step_kernels.next_counts(lens, accept, counter, rows, 0)  # the torch path (CPU)
+        assert torch.equal(want[0], torch.where(rows == 0, 0, lens + accept + 1)) and torch.equal(want[1], counter + 1)
+        got = step_kernels.triton_next_counts(*(t.to(device) for t in (lens, accept, counter, rows)), 0)
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), bs
+    got = step_kernels.triton_next_counts(*(torch.tensor(v, device=device) for v in ([10, 3], [2, 1], [4, 4], [7, 0])),
+                                          0)  # next_counts' docstring example
+    assert [t.tolist() for t in got] == [[13, 0], [5, 5]]
 
 
 def check_row_of_each(device):
