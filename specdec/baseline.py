@@ -11,6 +11,7 @@ from attn.base import ForwardMode
 from attn.registry import BackendChoice, check_device, check_page_size, get_backend_class, resolve_backends
 from specdec.batch import MAX_PREFILL_TOKENS, extend_pass, prefill_cap, prefill_pieces, uniform_batch
 from specdec.kv import MLAKVPool
+from specdec.tree import head_logits
 
 
 class _Session:
@@ -90,8 +91,13 @@ class GreedyDecoder:
             self.run.attn.init_cuda_graph_state(bs, bs)
 
     def _decode(self) -> None:
-        """One token per request, in place: token <- argmax, seq_lens += 1."""
-        self.token.copy_(self.model.compute_logits(self.run.decode(self.token, self.seq_lens)).argmax(-1))
+        """One token per request, in place: token <- argmax (the head's greedy picks where the
+        model gives them: tree.head_logits), seq_lens += 1."""
+        logits, pick = head_logits(self.model, self.run.decode(self.token, self.seq_lens))
+        if pick is None:
+            self.token.copy_(logits.argmax(-1))
+        else:
+            pick.argmax(out=self.token)
         self.seq_lens.add_(1)
 
     @torch.inference_mode()

@@ -30,7 +30,7 @@ from specdec.config import SpecConfig
 from specdec.kv import PADDING_ROW, MLAKVPool
 from specdec.state import DecodeState, HostCopy
 from specdec.step_kernels import chain_report, next_counts, row_of_each, serves_chain_report
-from specdec.tree import VerifyTree, start_tree, topk_probs
+from specdec.tree import VerifyTree, candidates, head_logits, start_tree
 
 KV_BOUND_GAP = 64  # kv rows within which SpecStep.kv_len_buckets keeps one bound
 
@@ -124,7 +124,7 @@ class SpecStep:
             # a chain's token sits at its position; a tree's topk frontier nodes share theirs
             positions = kv_index if topk == 1 else (st.seq_lens + (off + j - 1))[:, None].expand(-1, topk).flatten()
             out = self.draft_model(tree.frontier_tokens.flatten(), positions, hidden.flatten(0, 1), backend, batch)
-            probs, ids = topk_probs(self.draft_model.compute_logits(out), topk, temperature)
+            probs, ids = candidates(self.draft_model, out, topk, temperature)
             hidden = out.view(bs, topk, -1)
             tree.grow(probs.view(bs, topk, topk), ids.view(bs, topk, topk))
         mask_buf = self.verify_backend.get_verify_buffers_to_fill_after_draft()[0]
@@ -134,16 +134,17 @@ class SpecStep:
                           kv_bound: Optional[int] = None) -> tuple[AcceptResult, torch.Tensor]:
         """verify -> accept -> commit KV -> host copy. Returns the accept result and the target's
         hidden states ``[B, ndt, D]`` (draft-extend's input)."""
-        logits, hidden = self.verify(st, tree, rows, kv_bound)
-        result, report = self.accept(st, tree, logits)
+        logits, hidden, pick = self.verify(st, tree, rows, kv_bound)
+        result, report = self.accept(st, tree, logits, pick)
         self.commit_kv(st, result, rows)
         self.host_copy.enqueue(report)
         return result, hidden
 
     def verify(self, st: DecodeState, tree: VerifyTree, rows: torch.Tensor,
-               kv_bound: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_bound: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[object]]:
         """Target forward over the tree at kv indices N..N+ndt-1. Returns (logits ``[B, ndt, V]``
-        fp32, hidden ``[B, ndt, D]``)."""
+        fp32, hidden ``[B, ndt, D]``, the head's greedy picks of the ``B * ndt`` rows or None:
+        tree.head_logits, asked for when sampling is off)."""
         ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
         batch, kv_index = uniform_pass(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows, st.seq_lens,
@@ -151,16 +152,18 @@ class SpecStep:
         # a chain's node i sits at depth i; a tree's at its depth
         positions = kv_index if self.config.topk == 1 else (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = run_pass(self.target, self.verify_backend, batch, tree.tokens.flatten(), positions)
-        logits = self.target.compute_logits(hidden)
-        return logits.view(-1, ndt, logits.shape[-1]), hidden.view(-1, ndt, hidden.shape[-1])
+        logits, pick = head_logits(self.target, hidden, not self.config.enable_sampling)
+        return logits.view(-1, ndt, logits.shape[-1]), hidden.view(-1, ndt, hidden.shape[-1]), pick
 
-    def accept(self, st: DecodeState, tree: VerifyTree, logits: torch.Tensor) -> tuple[AcceptResult, torch.Tensor]:
+    def accept(self, st: DecodeState, tree: VerifyTree, logits: torch.Tensor,
+               pick: Optional[object] = None) -> tuple[AcceptResult, torch.Tensor]:
         """Greedy verification, or tree rejection sampling when sampling is enabled (greedy rows
         reduce to the same result there); with the StepReport the host gets (packed, on the
-        device). A greedy chain on a GPU takes both from one kernel (step_kernels.chain_report)."""
+        device). A greedy chain on a GPU takes both from one kernel (step_kernels.chain_report).
+        pick: the head's greedy picks of the logits' rows (verify), which give the argmax."""
         steps = self.config.num_steps
         if not self.config.enable_sampling:
-            pred = logits.argmax(-1)
+            pred = logits.argmax(-1) if pick is None else pick.argmax().view(logits.shape[:2])
             if self.config.topk == 1 and serves_chain_report(tree.tokens, pred):
                 return chain_report(tree.tokens, pred, st.seq_lens, st.limit, st.eos)
             result = (chain_accept if self.config.topk == 1 else greedy_accept)(tree, pred, steps)
@@ -205,7 +208,7 @@ class SpecStep:
         out = run_pass(self.draft_model, self.draft_extend_backend, batch, ids.flatten(), positions,
                        hidden_in.flatten(0, 1))
         last = row_of_each(out, q_len, result.accept_len)
-        cand = topk_probs(self.draft_model.compute_logits(last), self.config.topk, self._temperatures(st, 1))
+        cand = candidates(self.draft_model, last, self.config.topk, self._temperatures(st, 1))
         seq_lens, counter = next_counts(st.seq_lens, result.accept_len, st.counter, rows, PADDING_ROW)
         return st.advance(result.bonus, seq_lens, last, cand, counter)
 

@@ -39,6 +39,22 @@ def topk_probs(logits: torch.Tensor, k: int, temperature: Optional[torch.Tensor]
     return torch.softmax(tempered(logits, temperature), dim=-1).topk(k, dim=-1)
 
 
+def head_logits(model, hidden: torch.Tensor, greedy: bool = True) -> tuple[torch.Tensor, Optional[object]]:
+    """(model.compute_logits(hidden), its rows' greedy picks or None). The picks come from the
+    model's ``compute_logits_argmax`` where it has one and ``greedy`` asks for them: an object
+    with ``argmax()`` (``[N]`` int64, as logits.argmax(-1)) and ``top1()`` (topk_probs(logits,
+    1)), e.g. specdec.models.gemv.HeadPick, which the head's GEMV fills as it writes the logits."""
+    fused = getattr(model, "compute_logits_argmax", None) if greedy else None
+    return fused(hidden) if fused is not None else (model.compute_logits(hidden), None)
+
+
+def candidates(model, hidden: torch.Tensor, k: int, temperature: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_probs(model.compute_logits(hidden), k, temperature): at k = 1 without a temperature
+    from the head's greedy picks where the model gives them (head_logits)."""
+    logits, pick = head_logits(model, hidden, k == 1 and temperature is None)
+    return pick.top1() if pick is not None else topk_probs(logits, k, temperature)
+
+
 @dataclass
 class VerifyTree:
     """The tree verified for each request; node 0 is the root (last verified token).

@@ -1,5 +1,6 @@
-"""specdec.models.gemv: the GEMV, its folded silu * up (also from partial sums) and its fp32 logits,
-against fp32 products of the torch steps, under Triton's interpreter on the CPU and on a GPU."""
+"""specdec.models.gemv: the GEMV, its folded silu * up (also from partial sums), its fp32 logits
+and their greedy picks, against fp32 products of the torch steps and torch's argmax, under
+Triton's interpreter on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -45,12 +46,47 @@ def check_all(device, dtypes):
                 assert torch.equal(gemv.triton_silu_linear_partials(parts, w), want), (m, n, k, splits)
                 if device == "cuda":
                     assert torch.equal(gemv.silu_linear_partials(parts, w), want)
+        check_pick(rand, dtype)
         try:
             gemv.triton_silu_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
         except ValueError as e:
             assert "weight (4, 6)" in str(e)
         else:
             raise AssertionError("a gate_up of the wrong width was taken")
+
+
+def check_pick(rand, dtype):
+    # linear_argmax: the logits as linear's, the picks' argmax as torch's over those logits (ties
+    # inside a program and across programs to the lower column, NaN first) and their top-1 as
+    # topk_probs' (a NaN or +inf row scores 0).
+    from specdec.tree import topk_probs
+
+    for m, n, k in ((1, 100, 64), (4, 300, 96), (16, 40, 32), (3, 16160 // 40, 64)):
+        w = (rand(n, k) / k ** 0.5).to(dtype)
+        x = rand(m, k).to(dtype)
+        w[5] = (x[0].float() * 4 / x[0].float().norm()).to(dtype)  # row 0's maximum (~4 against ~0.2)
+        w[7] = w[5]  # tied inside the first program
+        w[n - 1] = w[5]  # and across programs
+        if m > 2:
+            x[1] = 0
+            x[1, 0] = float("inf")  # +inf / -inf / NaN logits in row 1
+            x[2] = x[0]  # row 2 as row 0
+        logits, pick = gemv.triton_linear_argmax(x, w)
+        assert torch.equal(logits, gemv.triton_linear(x, w, out_dtype=torch.float32))
+        assert torch.equal(pick.argmax(), logits.argmax(-1)), (m, n, k)
+        assert logits[0, 5] == logits[0, 7] == logits[0, n - 1] == logits[0].max() and pick.argmax()[0] == 5
+        probs, ids = pick.top1()
+        want_p = topk_probs(logits, 1)[0]  # (torch's top-k breaks ties its own way: ids against argmax)
+        finite = torch.isfinite(logits).all(-1)
+        assert torch.equal(ids[:, 0], logits.argmax(-1))
+        torch.testing.assert_close(probs[finite], want_p[finite], atol=1e-6, rtol=1e-5)
+        assert (probs[~finite] == 0).all() and (want_p[~finite] == 0).all()
+        out = torch.full((m,), -1, dtype=torch.long, device=x.device)
+        assert pick.argmax(out=out) is out and torch.equal(out, logits.argmax(-1))
+    w = torch.zeros(20, 8, dtype=dtype, device=x.device)
+    w[3, 0], w[11, 0], w[12, 0] = float("nan"), 1.0, float("nan")  # NaN logits: the first NaN is the argmax
+    logits, pick = gemv.triton_linear_argmax(torch.ones(1, 8, dtype=dtype, device=x.device), w)
+    assert pick.argmax().tolist() == [3] == logits.argmax(-1).tolist() and pick.top1()[0].tolist() == [[0.0]]
 """
 
 
@@ -66,8 +102,9 @@ def test_gemv_on_gpu():
 
 @pytest.mark.parametrize("rows", [1, gemv.GEMV_MAX_ROWS])
 def test_gemv_compiles_for_sm90(monkeypatch, rows):
-    """Without a GPU: the rank slice's layer GEMVs (the down one with its silu fold) at one row and
-    at GEMV_MAX_ROWS compile for H200, each within a block's shared memory."""
+    """Without a GPU: the rank slice's layer GEMVs (the down one with its silu fold) and its head
+    with the greedy picks (and their reduce) at one row and at GEMV_MAX_ROWS compile for H200,
+    each within a block's shared memory."""
     pytest.importorskip("triton.backends.nvidia")
     from sm90_compile import H200_SHARED_MEMORY, Recorder, compile_for_sm90
 
@@ -77,6 +114,8 @@ def test_gemv_compiles_for_sm90(monkeypatch, rows):
     for n, k in ((2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168)):
         gemv.triton_linear(torch.empty(rows, k, **bf16), torch.empty(n, k, **bf16))
     gemv.triton_silu_linear(torch.empty(rows, 2 * 2304, **bf16), torch.empty(7168, 2304, **bf16))
-    assert len(launches) == 5
+    monkeypatch.setattr(gemv, "_pick_kernel", Recorder(gemv._pick_kernel, launches))
+    gemv.triton_linear_argmax(torch.empty(rows, 7168, **bf16), torch.empty(16160, 7168, **bf16))[1].top1()
+    assert len(launches) == 7
     for launch in launches:
         assert compile_for_sm90(*launch).metadata.shared <= H200_SHARED_MEMORY

@@ -341,3 +341,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, D]`` -> logits ``[N, vocab]`` fp32 (every rank's vocabulary slice, gathered)."""
         return self.parallel.all_gather(gemv.linear(hidden, self.lm_head.weight, torch.float32))
+
+    def compute_logits_argmax(self, hidden: torch.Tensor):
+        """(compute_logits(hidden), the rows' greedy picks: gemv.HeadPick from the head's GEMV, or
+        None where another kernel computes the logits or the vocabulary is sharded)."""
+        if self.parallel.size > 1:
+            return self.compute_logits(hidden), None
+        return gemv.linear_argmax(hidden, self.lm_head.weight)

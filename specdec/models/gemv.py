@@ -1,6 +1,8 @@
 """Decode GEMMs of a few rows as weight reads: one Triton kernel streams each weight once; for the
 MLP's down projection it computes SwiGLU's silu(gate) * up as it loads its input, so that step
-costs no launch of its own (also from partial sums of the gate/up GEMM: silu_linear_partials).
+costs no launch of its own (also from partial sums of the gate/up GEMM: silu_linear_partials);
+for the head it also leaves each program's argmax and softmax sums (linear_argmax), so a greedy
+token is one small reduce where torch's argmax over the logits took 7.8 us.
 
 Why our own kernel: cuBLAS runs GEMMs of a few rows at about half the read bandwidth. The silu
 fold computes on the block's real rows only (repeated to the 16 rows a dot takes): on all 16 it
@@ -35,6 +37,60 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtyp
         return triton_linear(x, weight, out_dtype=out_dtype)
     out = F.linear(x, weight)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, Optional["HeadPick"]]:
+    """linear(x, weight, torch.float32) (a head's logits ``[M, N]``) and, where the GEMV serves,
+    its HeadPick: the argmax and the top-1 softmax of each row from the GEMV's per-program parts
+    (None elsewhere: take them from the logits)."""
+    if not _streams(x, weight):
+        return linear(x, weight, torch.float32), None
+    return triton_linear_argmax(x, weight)
+
+
+def triton_linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, "HeadPick"]:
+    """linear_argmax's GEMV (any device Triton runs on, its interpreter included)."""
+    pick = HeadPick.empty(x.shape[0], weight.shape[0], x.device)
+    return _launch(x, weight, False, None, torch.float32, pick), pick
+
+
+class HeadPick:
+    """The head GEMV's parts of a greedy pick, one per program (BLOCK_N logits) and row: keys
+    ``[M, P]`` int64, the row's best logit of the program as an integer that orders (value, then
+    the lower column; NaN above all, as torch.argmax), and sums ``[M, P, 2]`` fp32, (max, sum of
+    exp(logit - max)) over the program's logits, NaN as -inf. E.g. logits [[1.0, 3.0 | 3.0, 2.0]]
+    in programs of 2: keys of (3.0, col 1) and (3.0, col 2); argmax [1]."""
+
+    def __init__(self, keys: torch.Tensor, sums: torch.Tensor) -> None:
+        self.keys, self.sums = keys, sums
+
+    @staticmethod
+    def empty(m: int, n: int, device: torch.device) -> "HeadPick":
+        p = triton.cdiv(n, gemv_config(n, 16, _multiprocessors(device))[0])
+        return HeadPick(torch.empty(m, p, dtype=torch.long, device=device),
+                        torch.empty(m, p, 2, dtype=torch.float32, device=device))
+
+    def argmax(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each row's argmax ``[M]`` int64 (into ``out`` if given), as logits.argmax(-1)."""
+        return self._reduce(out, None)[0]
+
+    def top1(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probs ``[M, 1]`` fp32, ids ``[M, 1]`` int64): tree.topk_probs(logits, 1) to fp32 rounding;
+        a row holding NaN or no finite maximum scores 0, its id the argmax."""
+        probs = torch.empty(self.keys.shape[0], 1, dtype=torch.float32, device=self.keys.device)
+        ids, probs = self._reduce(None, probs)
+        return probs, ids[:, None]
+
+    def _reduce(self, out: Optional[torch.Tensor], probs: Optional[torch.Tensor]):
+        m, p = self.keys.shape
+        if out is None:
+            out = torch.empty(m, dtype=torch.long, device=self.keys.device)
+        if out.shape != (m,) or out.dtype != torch.long or not out.is_contiguous():
+            raise ValueError(f"HeadPick.argmax: out must be [{m}] int64 contiguous, got {tuple(out.shape)} {out.dtype}")
+        if m:
+            _pick_kernel[(m,)](self.keys, self.sums, out, probs if probs is not None else self.sums, p,
+                               PROBS=probs is not None, P_PAD=triton.next_power_of_2(p), num_warps=1)
+        return out, probs
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -103,8 +159,10 @@ def triton_silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor,
     return _launch(partials, weight, True, config, weight.dtype)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype) -> torch.Tensor:
-    """x ``[M, K]`` (``[M, 2K]`` for silu), or for silu ``[S, M, 2K]`` partial sums of it."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype,
+            pick: Optional[HeadPick] = None) -> torch.Tensor:
+    """x ``[M, K]`` (``[M, 2K]`` for silu), or for silu ``[S, M, 2K]`` partial sums of it; pick:
+    the HeadPick whose parts the programs write (gemv_config's tiles)."""
     splits = x.shape[0] if x.dim() == 3 else 1
     m = x.shape[-2]
     n, k = weight.shape
@@ -116,10 +174,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype
         if splits > 1:  # S partial tiles a K step would not fit shared memory as a pipeline's stages
             stages = 1
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
-        _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(-2), x.stride(0) if splits > 1 else 0, SILU=silu,
+        if pick is not None and pick.keys.shape[1] != grid[0]:
+            raise ValueError(f"linear_argmax: {grid[0]} programs for {pick.keys.shape[1]} parts")
+        _gemv_kernel[grid](x, weight, out, pick.keys if pick else out, pick.sums if pick else out, m, n, k,
+                           x.stride(-2), x.stride(0) if splits > 1 else 0, SILU=silu,
                            SPLITS=splits, ROUND_IN=x.dtype != weight.dtype, ROUND_OUT=out.dtype != weight.dtype,
                            ROWS=min(16, 1 << (m - 1).bit_length()) if silu else 1, ONE_BLOCK=m if m <= 16 else 0,
-                           BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                           PICK=pick is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                           num_stages=stages)
     return out
 
 
@@ -137,9 +199,42 @@ def _summed(ptrs, stride, mask, SPLITS: tl.constexpr):
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.constexpr, SPLITS: tl.constexpr,
-                 ROUND_IN: tl.constexpr, ROUND_OUT: tl.constexpr, ROWS: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _argmax_keys(x, cols):
+    """One int64 a value that orders (value, then the lower column) as an integer, NaN above all
+    (torch.argmax's order): the fp32 bits made monotonic in the high word, the complemented
+    column in the low word."""
+    bits = x.to(tl.int32, bitcast=True)
+    mono = tl.where(x != x, 0x7FFFFFFF, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    low = tl.full([], 0xFFFFFFFF, tl.int64)
+    return (mono.to(tl.int64) << 32) + (low - cols.to(tl.int64))
+
+
+@_jit
+def _pick_kernel(keys_ptr, sums_ptr, ids_ptr, probs_ptr, P, PROBS: tl.constexpr, P_PAD: tl.constexpr):
+    """Row r of a HeadPick: the best of its P keys, and (PROBS) the softmax of that logit from the
+    P (max, sum) pairs: 1 / sum_p(s_p * exp(m_p - max)), 0 where the best is NaN or the max is
+    not finite."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, P_PAD)
+    keys = tl.load(keys_ptr + r * P + p, mask=p < P, other=-2**63)
+    best = tl.max(keys, axis=0)
+    low = tl.full([], 0xFFFFFFFF, tl.int64)
+    tl.store(ids_ptr + r, low - (best & low))
+    if PROBS:
+        inf = float("inf")
+        m = tl.load(sums_ptr + (r * P + p) * 2, mask=p < P, other=-inf)
+        s = tl.load(sums_ptr + (r * P + p) * 2 + 1, mask=p < P, other=0.0)
+        top = tl.max(m, axis=0)
+        total = tl.sum(tl.where(m == -inf, 0.0, s * tl.exp(m - top)), axis=0)
+        nan = (best >> 32).to(tl.int32) == 0x7FFFFFFF
+        tl.store(probs_ptr + r, tl.where((top > -inf) & (top < inf) & ~nan, 1.0 / total, 0.0))
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.constexpr,
+                 SPLITS: tl.constexpr, ROUND_IN: tl.constexpr, ROUND_OUT: tl.constexpr, ROWS: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr, PICK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """One program: BLOCK_N output columns of BLOCK_M rows, over all of K (no split: no second
     pass); the weight tile streams through once, the few x rows come from L2. SILU: x is
     silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two >= the block's
@@ -147,7 +242,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.
     ``stride_xs`` apart, rounded to the weight's dtype where ROUND_IN. ROUND_OUT: the fp32 output
     rounded to the weight's dtype, then widened (fp32 logits). ONE_BLOCK: M itself where it is at
     most BLOCK_M (one row block; 0 else), so that the rows' masks are compile-time constants and
-    the input's copies carry no per-row predicates (docs/kernels.md)."""
+    the input's copies carry no per-row predicates (docs/kernels.md). PICK: also the HeadPick
+    parts of its BLOCK_N columns, at ``[row, program]`` of keys_ptr / sums_ptr."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row0 = 0 if ONE_BLOCK else tl.program_id(1) * BLOCK_M
     if ONE_BLOCK:
@@ -178,3 +274,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.
         acc = acc.to(dtype).to(tl.float32)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < N)[None, :])
+    if PICK:
+        inf = float("inf")
+        col = (rn < N)[None, :]
+        part = rm.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+        keys = tl.where(col, _argmax_keys(acc, rn[None, :]), -2**63)
+        tl.store(keys_ptr + part, tl.max(keys, axis=1), mask=rm < M)
+        v = tl.where(col & (acc == acc), acc, -inf)
+        top = tl.max(v, axis=1)
+        total = tl.sum(tl.where(v == -inf, 0.0, tl.exp(v - top[:, None])), axis=1)
+        tl.store(sums_ptr + part * 2, top, mask=rm < M)
+        tl.store(sums_ptr + part * 2 + 1, total, mask=rm < M)
