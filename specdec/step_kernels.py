@@ -128,22 +128,26 @@ def triton_next_counts(seq_lens: torch.Tensor, accept_len: torch.Tensor, counter
                        padding_row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """next_counts' kernel (any device Triton runs on, its interpreter included)."""
     bs = seq_lens.shape[0]
-    lens_out, counter_out = torch.empty_like(seq_lens), torch.empty_like(counter)
+    lens_out = torch.empty(bs, dtype=seq_lens.dtype, device=seq_lens.device)
+    counter_out = torch.empty(bs, dtype=counter.dtype, device=counter.device)
     if bs:
         block = min(triton.next_power_of_2(bs), 1024)
         _next_counts_kernel[(triton.cdiv(bs, block),)](seq_lens, accept_len, counter, rows, lens_out, counter_out, bs,
-                                                       padding_row, BLOCK=block, num_warps=4)
+                                                       seq_lens.stride(0), accept_len.stride(0), counter.stride(0),
+                                                       rows.stride(0), padding_row, BLOCK=block, num_warps=4)
     return lens_out, counter_out
 
 
 @_jit
-def _next_counts_kernel(lens_ptr, accept_ptr, counter_ptr, rows_ptr, lens_out, counter_out, B, PADDING_ROW,
-                        BLOCK: tl.constexpr):
+def _next_counts_kernel(lens_ptr, accept_ptr, counter_ptr, rows_ptr, lens_out, counter_out, B, stride_lens,
+                        stride_accept, stride_counter, stride_rows, PADDING_ROW, BLOCK: tl.constexpr):
+    """The inputs at any stride (accept_len: a column of chain_report's report)."""
     b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = b < B
-    lens = tl.load(lens_ptr + b, mask=keep) + tl.load(accept_ptr + b, mask=keep) + 1
-    tl.store(lens_out + b, tl.where(tl.load(rows_ptr + b, mask=keep) == PADDING_ROW, 0, lens), mask=keep)
-    tl.store(counter_out + b, tl.load(counter_ptr + b, mask=keep) + 1, mask=keep)
+    lens = tl.load(lens_ptr + b * stride_lens, mask=keep) + tl.load(accept_ptr + b * stride_accept, mask=keep) + 1
+    padding = tl.load(rows_ptr + b * stride_rows, mask=keep) == PADDING_ROW
+    tl.store(lens_out + b, tl.where(padding, 0, lens), mask=keep)
+    tl.store(counter_out + b, tl.load(counter_ptr + b * stride_counter, mask=keep) + 1, mask=keep)
 
 
 # ------------------------------------------------------------------------- a row a request
@@ -167,16 +171,17 @@ def triton_row_of_each(x: torch.Tensor, q_len: int, index: torch.Tensor) -> torc
     out = x.new_empty(bs, dim)
     if bs and dim:
         block = min(triton.next_power_of_2(dim), 8192)
-        _row_of_each_kernel[(bs, triton.cdiv(dim, block))](x, index, out, dim, x.stride(0), q_len, BLOCK=block,
-                                                            num_warps=8 if block >= 4096 else 4)
+        _row_of_each_kernel[(bs, triton.cdiv(dim, block))](x, index, out, dim, x.stride(0), index.stride(0), q_len,
+                                                            BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out
 
 
 @_jit
-def _row_of_each_kernel(x_ptr, index_ptr, out_ptr, D, stride_x, Q_LEN, BLOCK: tl.constexpr):
+def _row_of_each_kernel(x_ptr, index_ptr, out_ptr, D, stride_x, stride_index, Q_LEN, BLOCK: tl.constexpr):
+    """index at any stride (accept_len: a column of chain_report's report)."""
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row = b * Q_LEN + tl.load(index_ptr + b)
+    row = b * Q_LEN + tl.load(index_ptr + b * stride_index)
     tl.store(out_ptr + b * D + cols, tl.load(x_ptr + row * stride_x + cols, mask=cols < D), mask=cols < D)
 
 

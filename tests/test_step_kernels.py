@@ -67,10 +67,13 @@ def check_next_counts(device):
     gen = torch.Generator().manual_seed(2)
     for bs in (1, 7, 1500):
         lens, counter = torch.randint(0, 5000, (bs,), generator=gen), torch.randint(1, 100, (bs,), generator=gen)
-        accept, rows = torch.randint(0, 4, (bs,), generator=gen), torch.randint(0, 3, (bs,), generator=gen)
+        columns = torch.randint(0, 4, (bs, 7), generator=gen)
+        accept = columns[:, 4]  # a column, as accept_len is of the report
+        rows = torch.randint(0, 3, (bs,), generator=gen)
         want = step_kernels.next_counts(lens, accept, counter, rows, 0)  # the torch path (CPU)
         assert torch.equal(want[0], torch.where(rows == 0, 0, lens + accept + 1)) and torch.equal(want[1], counter + 1)
-        got = step_kernels.triton_next_counts(*(t.to(device) for t in (lens, accept, counter, rows)), 0)
+        got = step_kernels.triton_next_counts(lens.to(device), columns.to(device)[:, 4], counter.to(device),
+                                              rows.to(device), 0)
         assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), bs
     got = step_kernels.triton_next_counts(*(torch.tensor(v, device=device) for v in ([10, 3], [2, 1], [4, 4], [7, 0])),
                                           0)  # next_counts' docstring example
@@ -81,10 +84,11 @@ def check_row_of_each(device):
     gen = torch.Generator().manual_seed(1)
     for bs, q_len, dim, dtype in ((3, 4, 7168, torch.bfloat16), (5, 1, 100, torch.float32), (2, 6, 9000, torch.float16)):
         x = torch.randn(bs * q_len, dim, generator=gen).to(dtype)
-        index = torch.randint(0, q_len, (bs,), generator=gen)
+        columns = torch.randint(0, q_len, (bs, 3), generator=gen)
+        index = columns[:, 1]  # a column, as accept_len is of the report
         want = x.view(bs, q_len, dim)[torch.arange(bs), index]
         assert torch.equal(step_kernels.row_of_each(x, q_len, index), want)  # the torch path (CPU)
-        got = step_kernels.triton_row_of_each(x.to(device), q_len, index.to(device))
+        got = step_kernels.triton_row_of_each(x.to(device), q_len, columns.to(device)[:, 1])
         assert torch.equal(got.cpu(), want), (bs, q_len, dim)
 
 
