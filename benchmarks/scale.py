@@ -360,6 +360,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--png", type=Path, help="default: the CSV's path with .png")
     ap.add_argument("--append", action="store_true",
                     help="merge into an existing --csv (rows of the same variant, backend, batch and topk replaced)")
+    ap.add_argument("--no-token-table", action="store_true",
+                    help="the MTP layer reads all of eh_proj (no per-token table of its embedding half)")
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU: every path but the CUDA timing")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor-parallel ranks, under torchrun --nproc-per-node N (NCCL; gloo with --smoke)")
@@ -438,6 +440,9 @@ def run_variant(run: Run, variant: str, clock: StepClock, bandwidth: float, devi
         print(f"# WARNING: {mismatch}: the floors count the config's parameters")
     own = own_parameters(draft, target)
     model_gb = (param_bytes(target.parameters()) + param_bytes(own)) / 1e9
+    if parallel.size == 1 and not args.no_token_table:
+        print(f"# the MTP layer's per-token table: {draft.cache_token_projection() / 1e9:.2f} GB "
+              "(eh_proj's embedding half; a draft pass reads the other half)", flush=True)
     print(f"# {variant}: {cfg.num_hidden_layers} layers ({len(moe_layer_ids(cfg))} MoE), built in "
           f"{time.perf_counter() - t0:.1f} s; parameters {param_bytes(target.parameters()) / 1e9:.2f} GB target + "
           f"{param_bytes(own) / 1e9:.2f} GB MTP layer", flush=True)

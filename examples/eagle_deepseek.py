@@ -358,6 +358,8 @@ def main() -> None:
         target, draft = load_models(args.checkpoint, device, dtype, parallel)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as err:
         ap.error(f"--checkpoint {args.checkpoint or DEFAULT_OUT}: {err}")
+    if parallel.size == 1:  # eh_proj's embedding half as a per-token table: each draft pass reads half of eh_proj
+        draft.cache_token_projection()
     vocab = target.config.vocab_size
     if vocab < 256:
         ap.error(f"--checkpoint {args.checkpoint}: its vocabulary of {vocab} tokens cannot take the byte prompts")

@@ -47,12 +47,27 @@ def check_all(device, dtypes):
                 if device == "cuda":
                     assert torch.equal(gemv.silu_linear_partials(parts, w), want)
         check_pick(rand, dtype)
+        check_add_rows(rand, dtype)
         try:
             gemv.triton_silu_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
         except ValueError as e:
             assert "weight (4, 6)" in str(e)
         else:
             raise AssertionError("a gate_up of the wrong width was taken")
+
+
+def check_add_rows(rand, dtype):
+    # linear_add_rows: x @ w^T + table[ids] against the fp32 sum rounded once; an id outside the
+    # table adds nothing.
+    for m, n, k in ((1, 40, 300), (4, 20, 64), (16, 64, 96)):
+        w, x = (rand(n, k) / k ** 0.5).to(dtype), rand(m, k).to(dtype)
+        table = rand(50, n).to(dtype)
+        ids = torch.randint(0, 50, (m,), device=x.device)
+        ids[0] = 50  # outside
+        got = gemv.triton_linear_add_rows(x, w, table, ids)
+        rows = torch.where((ids < 50)[:, None], table[ids.clamp(max=49)].float(), 0.0)
+        torch.testing.assert_close(got, (x.float() @ w.float().T + rows).to(dtype), **TOL)
+        assert torch.equal(got[0], gemv.triton_linear(x[:1], w)[0])  # no row added: the plain GEMV's bits
 
 
 def check_pick(rand, dtype):
@@ -102,9 +117,9 @@ def test_gemv_on_gpu():
 
 @pytest.mark.parametrize("rows", [1, gemv.GEMV_MAX_ROWS])
 def test_gemv_compiles_for_sm90(monkeypatch, rows):
-    """Without a GPU: the rank slice's layer GEMVs (the down one with its silu fold) and its head
-    with the greedy picks (and their reduce) at one row and at GEMV_MAX_ROWS compile for H200,
-    each within a block's shared memory."""
+    """Without a GPU: the rank slice's layer GEMVs (the down one with its silu fold), its head with
+    the greedy picks (and their reduce) and the MTP layer's eh_proj half with its table rows, at
+    one row and at GEMV_MAX_ROWS, compile for H200, each within a block's shared memory."""
     pytest.importorskip("triton.backends.nvidia")
     from sm90_compile import H200_SHARED_MEMORY, Recorder, compile_for_sm90
 
@@ -116,6 +131,8 @@ def test_gemv_compiles_for_sm90(monkeypatch, rows):
     gemv.triton_silu_linear(torch.empty(rows, 2 * 2304, **bf16), torch.empty(7168, 2304, **bf16))
     monkeypatch.setattr(gemv, "_pick_kernel", Recorder(gemv._pick_kernel, launches))
     gemv.triton_linear_argmax(torch.empty(rows, 7168, **bf16), torch.empty(16160, 7168, **bf16))[1].top1()
-    assert len(launches) == 7
+    gemv.triton_linear_add_rows(torch.empty(rows, 7168, **bf16), torch.empty(7168, 7168, **bf16),
+                                torch.empty(16160, 7168, **bf16), torch.zeros(rows, dtype=torch.long))
+    assert len(launches) == 8
     for launch in launches:
         assert compile_for_sm90(*launch).metadata.shared <= H200_SHARED_MEMORY

@@ -196,11 +196,15 @@ def test_mtp_matches_composition_of_transformers_modules(tmp_path):
         h = mtp(ids, pos, flat_hidden[starts[req] + pos], backend, batch)
         return torch.cat([h, mtp.compute_logits(h)], dim=-1)
 
-    for seq, hid, out in zip(seqs, hidden_in, run_paged(step, 1, mtp.attn_spec(), seqs)):
-        with torch.no_grad():
-            want_hidden, want_logits = reference(seq, hid)
-        torch.testing.assert_close(out[:, :d], want_hidden, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(out[:, d:], want_logits, rtol=1e-4, atol=1e-4)
+    for cached in (False, True):  # then with eh_proj's embedding half from the per-token table
+        if cached:
+            held = mtp.cache_token_projection(chunk=7)  # chunks that do not divide the vocabulary
+            assert held == (vocab * d + d * d) * 4 and mtp.token_table.shape == (vocab, d)
+        for seq, hid, out in zip(seqs, hidden_in, run_paged(step, 1, mtp.attn_spec(), seqs)):
+            with torch.no_grad():
+                want_hidden, want_logits = reference(seq, hid)
+            torch.testing.assert_close(out[:, :d], want_hidden, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out[:, d:], want_logits, rtol=1e-4, atol=1e-4)
 
     # Without its own embedding and head, the layer shares the target's (and needs target=).
     for key in ("embed_tokens.weight", "shared_head.head.weight"):

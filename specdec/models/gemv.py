@@ -93,6 +93,26 @@ class HeadPick:
         return out, probs
 
 
+def linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x ``[M, K]`` @ weight ``[N, K]``^T + table[ids] -> ``[M, N]`` in x's dtype, rounded once:
+    table ``[V, N]`` of x's dtype (rows of unit stride), ids ``[M]`` int64 in [0, V). The GEMV adds
+    the rows to its fp32 sums before it rounds (an id outside the table adds nothing); elsewhere
+    cuBLAS's addmm does (its beta = 1 epilogue; the lookup raises there). E.g. the MTP layer's
+    eh_proj with its embedding half from a per-token table."""
+    if _streams(x, weight) and table.dtype == x.dtype and table.stride(1) == 1:
+        return triton_linear_add_rows(x, weight, table, ids)
+    return torch.addmm(table.index_select(0, ids), x, weight.t())
+
+
+def triton_linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor,
+                           ids: torch.Tensor) -> torch.Tensor:
+    """linear_add_rows' GEMV (any device Triton runs on, its interpreter included)."""
+    if table.shape[1] != weight.shape[0] or ids.shape != (x.shape[0],):
+        raise ValueError(f"linear_add_rows: table {tuple(table.shape)} and ids {tuple(ids.shape)} for x "
+                         f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
+    return _launch(x, weight, False, None, None, rows=(table, ids))
+
+
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(ops.silu_mul(gate_up), weight): gate_up ``[M, 2I]`` (gate ++ up), weight ``[N, I]``
     -> ``[M, N]``; silu * up computed as the GEMV loads it where the GEMV serves."""
@@ -160,9 +180,10 @@ def triton_silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor,
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype,
-            pick: Optional[HeadPick] = None) -> torch.Tensor:
+            pick: Optional[HeadPick] = None, rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """x ``[M, K]`` (``[M, 2K]`` for silu), or for silu ``[S, M, 2K]`` partial sums of it; pick:
-    the HeadPick whose parts the programs write (gemv_config's tiles)."""
+    the HeadPick whose parts the programs write (gemv_config's tiles); rows: (table, ids) whose
+    rows the output adds before its rounding (linear_add_rows)."""
     splits = x.shape[0] if x.dim() == 3 else 1
     m = x.shape[-2]
     n, k = weight.shape
@@ -176,12 +197,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
         if pick is not None and pick.keys.shape[1] != grid[0]:
             raise ValueError(f"linear_argmax: {grid[0]} programs for {pick.keys.shape[1]} parts")
-        _gemv_kernel[grid](x, weight, out, pick.keys if pick else out, pick.sums if pick else out, m, n, k,
-                           x.stride(-2), x.stride(0) if splits > 1 else 0, SILU=silu,
+        table, ids = rows if rows is not None else (out, out)
+        _gemv_kernel[grid](x, weight, out, pick.keys if pick else out, pick.sums if pick else out, table, ids, m, n, k,
+                           x.stride(-2), x.stride(0) if splits > 1 else 0, table.stride(0), table.shape[0], SILU=silu,
                            SPLITS=splits, ROUND_IN=x.dtype != weight.dtype, ROUND_OUT=out.dtype != weight.dtype,
                            ROWS=min(16, 1 << (m - 1).bit_length()) if silu else 1, ONE_BLOCK=m if m <= 16 else 0,
-                           PICK=pick is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                           num_stages=stages)
+                           PICK=pick is not None, ADD_ROWS=rows is not None, BLOCK_M=16, BLOCK_N=block_n,
+                           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -231,10 +253,10 @@ def _pick_kernel(keys_ptr, sums_ptr, ids_ptr, probs_ptr, P, PROBS: tl.constexpr,
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, M, N, K, stride_xm, stride_xs, SILU: tl.constexpr,
-                 SPLITS: tl.constexpr, ROUND_IN: tl.constexpr, ROUND_OUT: tl.constexpr, ROWS: tl.constexpr,
-                 ONE_BLOCK: tl.constexpr, PICK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, table_ptr, ids_ptr, M, N, K, stride_xm, stride_xs,
+                 stride_table, TABLE_ROWS, SILU: tl.constexpr, SPLITS: tl.constexpr, ROUND_IN: tl.constexpr,
+                 ROUND_OUT: tl.constexpr, ROWS: tl.constexpr, ONE_BLOCK: tl.constexpr, PICK: tl.constexpr,
+                 ADD_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_N output columns of BLOCK_M rows, over all of K (no split: no second
     pass); the weight tile streams through once, the few x rows come from L2. SILU: x is
     silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two >= the block's
@@ -243,7 +265,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, M, N, K, stride_xm, 
     rounded to the weight's dtype, then widened (fp32 logits). ONE_BLOCK: M itself where it is at
     most BLOCK_M (one row block; 0 else), so that the rows' masks are compile-time constants and
     the input's copies carry no per-row predicates (docs/kernels.md). PICK: also the HeadPick
-    parts of its BLOCK_N columns, at ``[row, program]`` of keys_ptr / sums_ptr."""
+    parts of its BLOCK_N columns, at ``[row, program]`` of keys_ptr / sums_ptr. ADD_ROWS: row m
+    of the output adds the table's row ids[m] to its fp32 sums (none for an id outside its
+    TABLE_ROWS rows)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row0 = 0 if ONE_BLOCK else tl.program_id(1) * BLOCK_M
     if ONE_BLOCK:
@@ -270,6 +294,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, M, N, K, stride_xm, 
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
                         other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
+    if ADD_ROWS:
+        ids = tl.load(ids_ptr + rm, mask=rm < M, other=-1).to(tl.int64)
+        known = (rm < M) & (ids >= 0) & (ids < TABLE_ROWS)
+        acc += tl.load(table_ptr + ids[:, None] * stride_table + rn[None, :],
+                       mask=known[:, None] & (rn < N)[None, :], other=0.0).to(tl.float32)
     if ROUND_OUT:
         acc = acc.to(dtype).to(tl.float32)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),

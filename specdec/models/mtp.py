@@ -77,6 +77,9 @@ class DeepseekMTP(nn.Module):
         self.layer = DecoderLayer(config, config.num_hidden_layers, 0, parallel, **fk, attention=self.attention)
         self.shared_head = SharedHead(RMSNorm(d, eps, **fk), head)
         self.rotary = RotaryEmbedding(config, device)
+        # cache_token_projection's table [V, D] and eh_proj's hidden half [D, D], or None
+        self.register_buffer("token_table", None, persistent=False)
+        self.register_buffer("eh_hidden", None, persistent=False)
 
     @property
     def hidden_size(self) -> int:
@@ -95,9 +98,35 @@ class DeepseekMTP(nn.Module):
         check_inputs(input_ids, positions, self.config.vocab_size)
         if hidden_in.shape != (input_ids.shape[0], self.config.hidden_size):
             raise ValueError(f"hidden_in must be [T={input_ids.shape[0]}, {self.config.hidden_size}]; got {tuple(hidden_in.shape)}")
-        x = gemv.linear(self._eh_input(input_ids, hidden_in), self.eh_proj.weight)
+        if self.token_table is not None and not self.training:
+            x = gemv.linear_add_rows(self.hnorm(hidden_in), self.eh_hidden, self.token_table, input_ids)
+        else:
+            x = gemv.linear(self._eh_input(input_ids, hidden_in), self.eh_proj.weight)
         h, residual = self.layer.input_layernorm.residual(x, None)
         return self.layer(h, residual, self.rotary(positions), backend, batch, self.shared_head.norm)[0]
+
+    @torch.no_grad()
+    def cache_token_projection(self, chunk: int = 4096) -> int:
+        """Precompute eh_proj's embedding half for every token, table[t] = eh_proj.weight[:, :D] @
+        enorm(embed(t)) ``[V, D]`` (fp32 products rounded to the model's dtype), and keep the hidden
+        half ``[D, D]`` contiguous: forward (in eval mode) then reads that half of eh_proj and a
+        table row a token (linear_add_rows) where it read all of eh_proj. Returns the bytes the two
+        hold, e.g. the rank slice (V 16160, D 7168): 232 + 103 MB for reading 103 MB less a pass.
+
+        The output differs from eh_proj's by the table's rounding (half a unit of the model's dtype
+        in the embedding half's sum). A cache of the weights as they are: call it again after they
+        change. Under tensor parallelism (a rank's vocabulary slice) it is refused."""
+        embed, d = self.embed_tokens, self.config.hidden_size
+        if self.parallel.size > 1 or type(embed) is not VocabEmbedding:
+            raise ValueError("cache_token_projection takes the whole embedding table of one process (a VocabEmbedding "
+                             f"at tensor-parallel size 1), not {type(embed).__name__} at size {self.parallel.size}")
+        w_embed = self.eh_proj.weight[:, :d].float()
+        table = torch.empty_like(embed.weight)
+        for start in range(0, table.shape[0], chunk):
+            rows = self.enorm(embed.weight[start:start + chunk])
+            table[start:start + chunk] = (rows.float() @ w_embed.T).to(table.dtype)
+        self.token_table, self.eh_hidden = table, self.eh_proj.weight[:, d:].contiguous()
+        return sum(t.numel() * t.element_size() for t in (self.token_table, self.eh_hidden))
 
     def _eh_input(self, input_ids: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
         """enorm(embed(ids)) ++ hnorm(hidden_in) ``[T, 2D]``: one kernel (ops.mtp_input) on the
