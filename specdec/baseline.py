@@ -47,7 +47,7 @@ class _Session:
 
     def decode(self, tokens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """One token per request (``[B]``) at kv index seq_lens (``[B]`` int64): hidden ``[B, D]``."""
-        step = uniform_batch(ForwardMode.DECODE, self.pool.req_to_token, self.rows, seq_lens, 1)
+        step, _ = uniform_batch(ForwardMode.DECODE, self.pool.req_to_token, self.rows, seq_lens, 1)
         self.attn.init_forward_metadata(step)
         return self.model(tokens, seq_lens, self.attn, step)
 

@@ -38,29 +38,16 @@ def uniform_batch(
     first: int = 0,
     custom_mask: Optional[torch.Tensor] = None,
     max_kv_len: Optional[int] = None,
-) -> AttnBatch:
+) -> tuple[AttnBatch, torch.Tensor]:
     """A pass with ``q_len`` new tokens per request, stored at kv indices
     ``lens + first .. lens + first + q_len - 1`` of each request, which then holds
-    ``lens + first + q_len`` kv rows (step_kernels.pass_slots: one kernel on a GPU).
+    ``lens + first + q_len`` kv rows: (its AttnBatch, those kv indices ``[B * q_len]`` int64,
+    request-major: the positions of a pass whose tokens sit at their own, a chain's), from one
+    kernel on a GPU (step_kernels.pass_slots).
 
     rows / lens: ``[B]`` int64 req_to_token rows and kv lengths (device); max_kv_len: host bound
     of the pass's kv lengths (AttnBatch.max_kv_len).
     """
-    return uniform_pass(mode, req_to_token, rows, lens, q_len, first, custom_mask, max_kv_len)[0]
-
-
-def uniform_pass(
-    mode: ForwardMode,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    lens: torch.Tensor,
-    q_len: int,
-    first: int = 0,
-    custom_mask: Optional[torch.Tensor] = None,
-    max_kv_len: Optional[int] = None,
-) -> tuple[AttnBatch, torch.Tensor]:
-    """uniform_batch and the new tokens' kv indices ``[B * q_len]`` int64 (request-major), from
-    the same kernel: the positions of a pass whose tokens sit at their own positions (a chain's)."""
     out_cache_loc, seq_lens, index = pass_slots(req_to_token, rows, lens, first, q_len)
     cu = const_arange((rows.shape[0] + 1) * q_len, rows.device, q_len, torch.int32)
     return AttnBatch(mode, rows, seq_lens, out_cache_loc, cu, q_len, True, custom_mask, max_kv_len), index

@@ -25,7 +25,7 @@ from attn.base import ForwardMode
 from attn.multistep import MultiStepDraftBackend
 from specdec.accept import (AcceptResult, chain_accept, greedy_accept, stop_at_limits, target_probs,
                             tree_rejection_sample)
-from specdec.batch import run_pass, uniform_pass
+from specdec.batch import run_pass, uniform_batch
 from specdec.config import SpecConfig
 from specdec.kv import PADDING_ROW, MLAKVPool
 from specdec.state import DecodeState, HostCopy
@@ -101,8 +101,8 @@ class SpecStep:
         topk, bs = cfg.topk, st.root.shape[0]
         tree = start_tree(st.cand_probs, st.cand_ids)
         passes = [
-            uniform_pass(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, st.seq_lens, topk,
-                         off + (j - 1) * topk, None if topk == 1 else mask[:bs], _bound(kv_bound, off + j * topk))
+            uniform_batch(ForwardMode.DECODE, self.draft_pool.req_to_token, rows, st.seq_lens, topk,
+                          off + (j - 1) * topk, None if topk == 1 else mask[:bs], _bound(kv_bound, off + j * topk))
             for j, mask in zip(range(1, cfg.num_steps), self.draft_backend.tree_masks())
         ]
         batches = [batch for batch, _ in passes]
@@ -147,8 +147,8 @@ class SpecStep:
         tree.head_logits, asked for when sampling is off)."""
         ndt = self.config.num_draft_tokens
         mask = tree.mask if self.config.topk > 1 else None
-        batch, kv_index = uniform_pass(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows, st.seq_lens,
-                                       ndt, 0, mask, _bound(kv_bound, ndt))
+        batch, kv_index = uniform_batch(ForwardMode.TARGET_VERIFY, self.target_pool.req_to_token, rows, st.seq_lens,
+                                        ndt, 0, mask, _bound(kv_bound, ndt))
         # a chain's node i sits at depth i; a tree's at its depth
         positions = kv_index if self.config.topk == 1 else (st.seq_lens[:, None] + tree.depth).flatten()
         hidden = run_pass(self.target, self.verify_backend, batch, tree.tokens.flatten(), positions)
@@ -197,8 +197,8 @@ class SpecStep:
         stays at N = 0."""
         q_len = self.config.num_steps + 1
         # the rows sit at draft positions N + draft_offset + [0, q_len): their kv indices
-        batch, positions = uniform_pass(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, st.seq_lens,
-                                        q_len, self.draft_offset, max_kv_len=_bound(kv_bound, self.draft_offset + q_len))
+        batch, positions = uniform_batch(ForwardMode.DRAFT_EXTEND, self.draft_pool.req_to_token, rows, st.seq_lens,
+                                         q_len, self.draft_offset, max_kv_len=_bound(kv_bound, self.draft_offset + q_len))
         ids = result.emitted.clamp(min=0) if result.extend_ids is None else result.extend_ids
         # A chain's accepted path is nodes 0..accept_len in order, and the rows past it are never
         # read (the next draft overwrites their KV first), so the verify hidden states serve as is.

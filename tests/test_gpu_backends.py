@@ -55,7 +55,7 @@ def _uniform(mode, q_len):
     def make(pool, rows, lens):
         rows_t = torch.tensor(rows, device="cuda")
         start = torch.tensor(lens, device="cuda") - q_len
-        return uniform_batch(mode, pool.req_to_token, rows_t, start, q_len)
+        return uniform_batch(mode, pool.req_to_token, rows_t, start, q_len)[0]
     return make
 
 

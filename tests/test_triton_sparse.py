@@ -332,8 +332,8 @@ def compare_sparse_backends(device, dtype, heads, lens, q_len, topk, index_heads
     if tree and q_len > 1:
         mask = random_mask(len(lens), q_len, q_len, gen, device) | torch.eye(q_len, dtype=torch.bool, device=device)
     seq = torch.tensor(lens, device=device)
-    batch = uniform_batch(ForwardMode.TARGET_VERIFY, pool.req_to_token, torch.tensor(rows, device=device),
-                          seq - q_len, q_len, custom_mask=mask)
+    batch, _ = uniform_batch(ForwardMode.TARGET_VERIFY, pool.req_to_token, torch.tensor(rows, device=device),
+                             seq - q_len, q_len, custom_mask=mask)
     tokens = batch.num_tokens
     q_index = torch.randn(tokens, index_heads, index_dim, generator=gen).to(device, torch.bfloat16)
     weights = torch.randn(tokens, index_heads, generator=gen).to(device)
