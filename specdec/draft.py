@@ -33,7 +33,10 @@ class TargetModel(Protocol):
     config.vocab_size: the width of compute_logits' logits; config.hidden_size: D (read by an
     EAGLE draft's check). parameters(): the first one's dtype and device are the worker's (the KV
     cache's dtype under kv_dtype "auto", and the draft's).
-    compute_logits: hidden ``[N, D]`` -> logits ``[N, vocab_size]`` (float).
+    compute_logits: hidden ``[N, D]`` -> logits ``[N, vocab_size]`` (float). Optional,
+    compute_logits_argmax: hidden -> (those logits, their rows' greedy picks or None), the picks
+    an object with ``argmax()`` and ``top1()`` (specdec.tree.head_logits; the worker's greedy
+    passes take them where the model has it).
     attn_spec: its LayerSpec. A sparse model (DeepSeek-V3.2) sets its index_topk and index_head_dim
     and calls ``backend.index_topk`` then ``backend.forward_sparse`` where a dense one calls
     ``backend.forward``; the worker then builds its pool with the indexer keys and refuses backends
@@ -60,9 +63,10 @@ class DraftModel(Protocol):
     ``[T, D]``. An EAGLE/MTP head (needs_hidden_in; SpecConfig.draft_mode "eagle" only) gets the
     target's hidden states at the previous position (prefill, draft-extend) or its own output
     (draft steps); an ordinary LM gets None in prefill and hidden states it may ignore otherwise.
-    Rows of a draft-extend past a request's accepted tokens carry token 0 and are discarded:
-    compute each row on its own. vocab_size: the width of compute_logits' logits, which must be
-    the target's (the draft proposes target token ids). hidden_size: D of forward's output (the
+    Rows of a draft-extend past a request's accepted tokens carry some valid token id (0, or the
+    target's argmax there) and are discarded: compute each row on its own. vocab_size: the width
+    of compute_logits' logits, which must be the target's (the draft proposes target token ids);
+    compute_logits_argmax as TargetModel's (optional). hidden_size: D of forward's output (the
     target's, for a head that reads the target's), in the dtype of its parameters (a torch
     module's). attn_spec: as TargetModel's (a sparse draft: V3.2's MTP layer).
     """
