@@ -345,6 +345,6 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits_argmax(self, hidden: torch.Tensor):
         """(compute_logits(hidden), the rows' greedy picks: gemv.HeadPick from the head's GEMV, or
         None where another kernel computes the logits or the vocabulary is sharded)."""
-        if self.parallel.size > 1:
+        if self.parallel.size > 1 or not gemv.streams(hidden, self.lm_head.weight):
             return self.compute_logits(hidden), None
-        return gemv.linear_argmax(hidden, self.lm_head.weight)
+        return gemv.triton_linear_argmax(hidden, self.lm_head.weight)

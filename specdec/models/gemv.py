@@ -1,8 +1,8 @@
 """Decode GEMMs of a few rows as weight reads: one Triton kernel streams each weight once; for the
 MLP's down projection it computes SwiGLU's silu(gate) * up as it loads its input, so that step
 costs no launch of its own (also from partial sums of the gate/up GEMM: silu_linear_partials);
-for the head it also leaves each program's argmax and softmax sums (linear_argmax), so a greedy
-token is one small reduce where torch's argmax over the logits took 7.8 us.
+for the head it also leaves each program's argmax and softmax sums (triton_linear_argmax), so a greedy
+token is one small reduce, not a pass of torch's argmax over the logits (docs/kernels.md).
 
 Why our own kernel: cuBLAS runs GEMMs of a few rows at about half the read bandwidth. The silu
 fold computes on the block's real rows only (repeated to the 16 rows a dot takes): on all 16 it
@@ -23,7 +23,7 @@ from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 GEMV_MAX_ROWS = 16  # decode GEMMs of at most this many rows stream the weight once in the GEMV
 
 
-def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The GEMV serves: a 16-bit x of at most GEMV_MAX_ROWS unit-stride rows, a contiguous weight of
     x's dtype."""
     return (on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous()
@@ -33,23 +33,16 @@ def _streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x ``[M, K]`` @ weight ``[N, K]``^T -> ``[M, N]`` in x's dtype, then in ``out_dtype`` if given
     (logits: rounded to x's dtype, then widened, as ``linear(x, w).float()``)."""
-    if _streams(x, weight):
+    if streams(x, weight):
         return triton_linear(x, weight, out_dtype=out_dtype)
     out = F.linear(x, weight)
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, Optional["HeadPick"]]:
-    """linear(x, weight, torch.float32) (a head's logits ``[M, N]``) and, where the GEMV serves,
-    its HeadPick: the argmax and the top-1 softmax of each row from the GEMV's per-program parts
-    (None elsewhere: take them from the logits)."""
-    if not _streams(x, weight):
-        return linear(x, weight, torch.float32), None
-    return triton_linear_argmax(x, weight)
-
-
 def triton_linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, "HeadPick"]:
-    """linear_argmax's GEMV (any device Triton runs on, its interpreter included)."""
+    """linear(x, weight, torch.float32) (a head's logits ``[M, N]``) from the GEMV (where it
+    streams, or under the interpreter) and its HeadPick: the argmax and the top-1 softmax of each
+    row from the GEMV's per-program parts."""
     pick = HeadPick.empty(x.shape[0], weight.shape[0], x.device)
     return _launch(x, weight, False, None, torch.float32, pick), pick
 
@@ -99,7 +92,7 @@ def linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, 
     the rows to its fp32 sums before it rounds (an id outside the table adds nothing); elsewhere
     cuBLAS's addmm does (its beta = 1 epilogue; the lookup raises there). E.g. the MTP layer's
     eh_proj with its embedding half from a per-token table."""
-    if _streams(x, weight) and table.dtype == x.dtype and table.stride(1) == 1:
+    if streams(x, weight) and table.dtype == x.dtype and table.stride(1) == 1:
         return triton_linear_add_rows(x, weight, table, ids)
     return torch.addmm(table.index_select(0, ids), x, weight.t())
 
@@ -116,7 +109,7 @@ def triton_linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.T
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(ops.silu_mul(gate_up), weight): gate_up ``[M, 2I]`` (gate ++ up), weight ``[N, I]``
     -> ``[M, N]``; silu * up computed as the GEMV loads it where the GEMV serves."""
-    if _streams(gate_up, weight):
+    if streams(gate_up, weight):
         return triton_silu_linear(gate_up, weight)
     return linear(ops.silu_mul(gate_up), weight)
 
@@ -196,7 +189,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype
             stages = 1
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
         if pick is not None and pick.keys.shape[1] != grid[0]:
-            raise ValueError(f"linear_argmax: {grid[0]} programs for {pick.keys.shape[1]} parts")
+            raise ValueError(f"triton_linear_argmax: {grid[0]} programs for {pick.keys.shape[1]} parts")
         table, ids = rows if rows is not None else (out, out)
         _gemv_kernel[grid](x, weight, out, pick.keys if pick else out, pick.sums if pick else out, table, ids, m, n, k,
                            x.stride(-2), x.stride(0) if splits > 1 else 0, table.stride(0), table.shape[0], SILU=silu,
