@@ -71,8 +71,8 @@ def chain_report(tokens: torch.Tensor, pred: torch.Tensor, seq_lens: torch.Tenso
     tokens ``[B, S + 1]`` (a chain's, the root first); pred ``[B, S + 1]``: the target's argmax
     after each node; seq_lens / limit / eos ``[B]``; all int64. Returns (AcceptResult, the report
     ``[B, S + 4]`` int64: ``[emitted | accept_len | take | done]``); the result's emitted and
-    accept_len are views of the report, its extend_ids pred itself. E.g. drafts [5, 6, 9], pred [5, 6, 7, 8], no eos, room
-    left: [5, 6, 7, -1 | 2 | 3 | 0], bonus 7."""
+    accept_len are views of the report, its extend_ids pred itself. E.g. drafts [5, 6, 9], pred
+    [5, 6, 7, 8], no eos, room left: [5, 6, 7, -1 | 2 | 3 | 0], bonus 7."""
     bs, width = pred.shape
     report = torch.empty(bs, width + 3, dtype=torch.long, device=pred.device)
     path = torch.empty(bs, width, dtype=torch.long, device=pred.device)
