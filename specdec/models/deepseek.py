@@ -273,6 +273,16 @@ class DecoderLayer(nn.Module):
         return next_norm.residual(self.parallel.all_reduce(self.mlp(h)), residual)
 
 
+def logits_and_picks(model: nn.Module, hidden: torch.Tensor, head: torch.Tensor):
+    """A model's compute_logits_argmax, for one whose compute_logits is its parallel's all_gather of
+    linear(hidden, head) in fp32: (the logits, gemv.HeadPick from the head's GEMV), or
+    (model.compute_logits(hidden), None) where another kernel computes the logits or the
+    vocabulary is sharded."""
+    if model.parallel.size > 1 or not gemv.streams(hidden, head):
+        return model.compute_logits(hidden), None
+    return gemv.triton_linear_argmax(hidden, head)
+
+
 # ------------------------------------------------------------------------------------- models
 class DeepseekV3Model(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.*``)."""
@@ -343,8 +353,5 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.parallel.all_gather(gemv.linear(hidden, self.lm_head.weight, torch.float32))
 
     def compute_logits_argmax(self, hidden: torch.Tensor):
-        """(compute_logits(hidden), the rows' greedy picks: gemv.HeadPick from the head's GEMV, or
-        None where another kernel computes the logits or the vocabulary is sharded)."""
-        if self.parallel.size > 1 or not gemv.streams(hidden, self.lm_head.weight):
-            return self.compute_logits(hidden), None
-        return gemv.triton_linear_argmax(hidden, self.lm_head.weight)
+        """(compute_logits(hidden), the rows' greedy picks or None): logits_and_picks."""
+        return logits_and_picks(self, hidden, self.lm_head.weight)

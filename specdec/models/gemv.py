@@ -65,16 +65,16 @@ class HeadPick:
 
     def argmax(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each row's argmax ``[M]`` int64 (into ``out`` if given), as logits.argmax(-1)."""
-        return self._reduce(out, None)[0]
+        return self._reduce(out, None)
 
     def top1(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(probs ``[M, 1]`` fp32, ids ``[M, 1]`` int64): tree.topk_probs(logits, 1) to fp32 rounding;
         a row holding NaN or no finite maximum scores 0, its id the argmax."""
         probs = torch.empty(self.keys.shape[0], 1, dtype=torch.float32, device=self.keys.device)
-        ids, probs = self._reduce(None, probs)
-        return probs, ids[:, None]
+        return probs, self._reduce(None, probs)[:, None]
 
-    def _reduce(self, out: Optional[torch.Tensor], probs: Optional[torch.Tensor]):
+    def _reduce(self, out: Optional[torch.Tensor], probs: Optional[torch.Tensor]) -> torch.Tensor:
+        """The argmax into out (a new tensor if None), and the top-1 probabilities into probs if given."""
         m, p = self.keys.shape
         if out is None:
             out = torch.empty(m, dtype=torch.long, device=self.keys.device)
@@ -83,7 +83,7 @@ class HeadPick:
         if m:
             _pick_kernel[(m,)](self.keys, self.sums, out, probs if probs is not None else self.sums, p,
                                PROBS=probs is not None, P_PAD=triton.next_power_of_2(p), num_warps=1)
-        return out, probs
+        return out
 
 
 def linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from specdec.models import gemv, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.deepseek import (
     DecoderLayer, DeepseekV3ForCausalLM, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding, check_inputs,
-    local_heads, softmax_scale,
+    local_heads, logits_and_picks, softmax_scale,
 )
 from specdec.parallel import SINGLE, Parallel
 
@@ -143,8 +143,5 @@ class DeepseekMTP(nn.Module):
         return self.parallel.all_gather(gemv.linear(hidden, self.shared_head.head.weight, torch.float32))
 
     def compute_logits_argmax(self, hidden: torch.Tensor):
-        """(compute_logits(hidden), the rows' greedy picks: gemv.HeadPick from the head's GEMV, or
-        None where another kernel computes the logits or the vocabulary is sharded)."""
-        if self.parallel.size > 1 or not gemv.streams(hidden, self.shared_head.head.weight):
-            return self.compute_logits(hidden), None
-        return gemv.triton_linear_argmax(hidden, self.shared_head.head.weight)
+        """(compute_logits(hidden), the rows' greedy picks or None): logits_and_picks."""
+        return logits_and_picks(self, hidden, self.shared_head.head.weight)
