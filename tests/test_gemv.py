@@ -22,7 +22,8 @@ def check_all(device, dtypes):
     gen = torch.Generator(device).manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device=device)
     for dtype in dtypes:
-        for m, n, k in ((1, 40, 300), (3, 33, 512), (4, 20, 64), (16, 64, 96), (19, 17, 200)):  # ragged; past a block
+        for m, n, k in ((1, 40, 300), (3, 33, 512), (4, 20, 64), (16, 64, 96), (19, 17, 200), (32, 70, 256),
+                        (40, 24, 128)):  # ragged; one 32-row block; two
             w = (rand(n, k) / k ** 0.5).to(dtype)
             x = rand(m, k).to(dtype)
             ref = (x.float() @ w.float().T).to(dtype)
@@ -31,6 +32,18 @@ def check_all(device, dtypes):
             assert logits.dtype == torch.float32
             torch.testing.assert_close(logits, ref.float(), **TOL)
             assert torch.equal(logits, logits.to(dtype).float())  # rounded to x's dtype, then widened
+            for parts in (2, 3):  # K in parts of 128 (a part past K adds nothing)
+                got = gemv.triton_linear_parts(x, w, parts)
+                assert got.shape == (parts, m, n) and got.dtype == torch.float32
+                torch.testing.assert_close(ops.summed_in_order(got).to(dtype), ref, **TOL)
+
+            # silu(gate) * up from the gate/up GEMM's epilogue: as silu_mul's kernel on its output (the GEMV's
+            # bits: the same dots), n / 2 pairs of weight rows
+            gu_w = torch.cat([w, (rand(n, k) / k ** 0.5).to(dtype)])
+            want = ops.triton_silu_mul(gemv.triton_linear(x, gu_w))
+            assert torch.equal(gemv.triton_linear_silu(x, gu_w), want), (m, n, k)
+            if device == "cuda" and m <= gemv.GEMV_MAX_ROWS:
+                assert torch.equal(gemv.linear_silu(x, gu_w), want)
 
             gate_up = rand(m, 2 * k).to(dtype)
             act = ops.silu_mul(gate_up)  # the torch path on the CPU, its kernel on a GPU
@@ -42,7 +55,7 @@ def check_all(device, dtypes):
             eighths = [(rand(splits, m, 2 * k + 8) * 8).round() / 8 for splits in (1, 3)]
             for parts in eighths + ([rand(3, m, 2 * k + 8)] if device == "cuda" else []):
                 parts, splits = parts[..., 8:], parts.shape[0]
-                want = gemv.triton_silu_linear(gemv.summed_in_order(parts).to(dtype), w)
+                want = gemv.triton_silu_linear(ops.summed_in_order(parts).to(dtype), w)
                 assert torch.equal(gemv.triton_silu_linear_partials(parts, w), want), (m, n, k, splits)
                 if device == "cuda":
                     assert torch.equal(gemv.silu_linear_partials(parts, w), want)
@@ -54,12 +67,18 @@ def check_all(device, dtypes):
             assert "weight (4, 6)" in str(e)
         else:
             raise AssertionError("a gate_up of the wrong width was taken")
+        try:
+            gemv.triton_linear_silu(rand(2, 6).to(dtype), rand(5, 6).to(dtype))
+        except ValueError as e:
+            assert "[2I, K]" in str(e)
+        else:
+            raise AssertionError("a gate_up of odd rows was taken")
 
 
 def check_add_rows(rand, dtype):
     # linear_add_rows: x @ w^T + table[ids] against the fp32 sum rounded once; an id outside the
     # table adds nothing.
-    for m, n, k in ((1, 40, 300), (4, 20, 64), (16, 64, 96)):
+    for m, n, k in ((1, 40, 300), (4, 20, 64), (16, 64, 96), (20, 70, 64)):
         w, x = (rand(n, k) / k ** 0.5).to(dtype), rand(m, k).to(dtype)
         table = rand(50, n).to(dtype)
         ids = torch.randint(0, 50, (m,), device=x.device)
@@ -76,7 +95,7 @@ def check_pick(rand, dtype):
     # topk_probs' (a NaN or +inf row scores 0).
     from specdec.tree import topk_probs
 
-    for m, n, k in ((1, 100, 64), (4, 300, 96), (16, 40, 32), (3, 16160 // 40, 64)):
+    for m, n, k in ((1, 100, 64), (4, 300, 96), (16, 40, 32), (3, 16160 // 40, 64), (24, 100, 64)):
         w = (rand(n, k) / k ** 0.5).to(dtype)
         x = rand(m, k).to(dtype)
         w[5] = (x[0].float() * 4 / x[0].float().norm()).to(dtype)  # row 0's maximum (~4 against ~0.2)
@@ -115,9 +134,19 @@ def test_gemv_on_gpu():
     run_on_gpu(_CHECKS, 'check_all("cuda", (torch.bfloat16, torch.float16))')
 
 
+def test_k_parts_fill_one_wave_where_the_tiles_do_not():
+    """qkv_a's 33 tiles of 64 rows take 4 parts of K on 132 SMs, q_b's 48 two; weights whose
+    64-row tiles fill the SMs (o_proj, the head) and the CPU path take none."""
+    assert [gemv.k_parts(n, k) for n, k in ((2112, 7168), (3072, 1536), (7168, 2048), (16160, 7168))] == [4, 2, 1, 1]
+    assert gemv.k_parts(2112, 512) == 2  # each part at least two K tiles
+    x, w = torch.randn(3, 7168, dtype=torch.bfloat16), torch.randn(2112, 7168, dtype=torch.bfloat16)
+    assert torch.equal(gemv.linear_parts(x, w), gemv.linear(x, w))  # no GEMV on the CPU: the product itself
+
+
 @pytest.mark.parametrize("rows", [1, gemv.GEMV_MAX_ROWS])
 def test_gemv_compiles_for_sm90(monkeypatch, rows):
-    """Without a GPU: the rank slice's layer GEMVs (the down one with its silu fold), its head with
+    """Without a GPU: the rank slice's layer GEMVs (qkv_a also in parts of K, gate_up also with its
+    silu epilogue, the down one with its silu fold), its head with
     the greedy picks (and their reduce) and the MTP layer's eh_proj half with its table rows, at
     one row and at GEMV_MAX_ROWS, compile for H200, each within a block's shared memory."""
     pytest.importorskip("triton.backends.nvidia")
@@ -128,11 +157,13 @@ def test_gemv_compiles_for_sm90(monkeypatch, rows):
     bf16 = dict(dtype=torch.bfloat16)
     for n, k in ((2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168)):
         gemv.triton_linear(torch.empty(rows, k, **bf16), torch.empty(n, k, **bf16))
+    gemv.triton_linear_parts(torch.empty(rows, 7168, **bf16), torch.empty(2112, 7168, **bf16), 4)
     gemv.triton_silu_linear(torch.empty(rows, 2 * 2304, **bf16), torch.empty(7168, 2304, **bf16))
+    gemv.triton_linear_silu(torch.empty(rows, 7168, **bf16), torch.empty(4608, 7168, **bf16))
     monkeypatch.setattr(gemv, "_pick_kernel", Recorder(gemv._pick_kernel, launches))
     gemv.triton_linear_argmax(torch.empty(rows, 7168, **bf16), torch.empty(16160, 7168, **bf16))[1].top1()
     gemv.triton_linear_add_rows(torch.empty(rows, 7168, **bf16), torch.empty(7168, 7168, **bf16),
                                 torch.empty(16160, 7168, **bf16), torch.zeros(rows, dtype=torch.long))
-    assert len(launches) == 8
+    assert len(launches) == 10
     for launch in launches:
         assert compile_for_sm90(*launch).metadata.shared <= H200_SHARED_MEMORY

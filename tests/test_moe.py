@@ -421,10 +421,10 @@ for dtype, tokens, hidden, overrides in cases:
     with torch.no_grad():
         weights, ids = moe.gate(x)
         saved = (ops.on_triton, gemv.on_triton, moe_module.route, moe_module.sort_into_blocks,
-                 moe_module.grouped_experts_torch, gemv.summed_in_order)
+                 moe_module.grouped_experts_torch, ops.summed_in_order)
         ops.on_triton = gemv.on_triton = lambda *tensors: True
         moe_module.route = moe_module.sort_into_blocks = moe_module.grouped_experts_torch = torch_ran
-        gemv.summed_in_order = torch_ran  # the partials' torch sum: the GEMV adds them as it loads
+        ops.summed_in_order = torch_ran  # the partials' torch sum: the GEMV adds them as it loads
         got_weights, got_ids = moe.gate(x)
         if moe_module.shared_in_router(tokens, dtype, moe.shared_experts.gate_up.shape[0]):  # in the router's
             moe.shared_experts.forward = torch_ran
@@ -434,7 +434,7 @@ for dtype, tokens, hidden, overrides in cases:
         fused = [moe(x, then=ops.AddNorm(r, norm, 1e-6)) for r in (residual, None)]  # in the combine kernel
         unfused = [ops.rms_norm(got, norm, 1e-6, r) for r in (residual, None)]  # its own kernel
         (ops.on_triton, gemv.on_triton, moe_module.route, moe_module.sort_into_blocks,
-         moe_module.grouped_experts_torch, gemv.summed_in_order) = saved
+         moe_module.grouped_experts_torch, ops.summed_in_order) = saved
     assert torch.equal(got_ids, ids)
     torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
     assert got.dtype == dtype and got.shape == x.shape

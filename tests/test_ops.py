@@ -91,6 +91,18 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                     untouched = torch.ones(9, dtype=torch.bool, device=device)
                     untouched[slots] = False
                     assert bool((cache[untouched] == 7.0).all())
+                if rank and dtype != torch.float32:  # qkv as gemv.linear_parts' fp32 partial sums: their rounded sum
+                    # (eighths add exactly: the interpreter rounds fp32 to 16 bits its own way; on a GPU, any values)
+                    for parts in [(rand(3, tokens, qkv.shape[1]) * 8).round() / 8] + ([rand(2, tokens, qkv.shape[1])]
+                                                                                     if device == "cuda" else []):
+                        summed = ops.summed_in_order(parts).to(dtype)
+                        for latents in (ops.triton_mla_latents, ops.mla_latents):
+                            got = latents(parts, width, q_norm, kv_norm, 1e-6, cos, sin, interleave)
+                            want = latents(summed, width, q_norm, kv_norm, 1e-6, cos, sin, interleave)
+                            assert all(torch.equal(a, b) for a, b in zip(got, want)), (latents, dtype, interleave)
+                            cache.fill_(7.0)
+                            latents(parts, width, q_norm, kv_norm, 1e-6, cos, sin, interleave, (cache, slots))
+                            assert torch.equal(cache[slots], want[1])
         if dtype != torch.float32:  # 16-bit only (fp32 takes the torch path)
             # (tokens, nope, v, latent): DeepSeek's dims; past one block of 16 tokens; v no multiple of 16
             for t, nope, v, latent in ((tokens, 128, 128, 512), (19, 128, 128, 512), (3, 64, 40, 256)):

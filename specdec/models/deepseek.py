@@ -176,8 +176,9 @@ class MLAttention(CheckpointViews, nn.Module):
     """Multi-head latent attention in absorbed form, laid out for decode.
 
     ``qkv_a`` ``[q_lora + 576, D]`` packs q_a_proj (or, without a q LoRA, q_proj) with
-    kv_a_proj_with_mqa: one GEMM, then one kernel (ops.mla_latents) for both latent norms and the
-    rope of the cache row, which that kernel writes into the cache where the backend's kv_rows
+    kv_a_proj_with_mqa: one GEMM (with a q LoRA, as partial sums over parts of D where that fills the
+    SMs: gemv.linear_parts), then one kernel (ops.mla_latents, which adds the parts) for both latent
+    norms and the rope of the cache row, which that kernel writes into the cache where the backend's kv_rows
     says (its forward then takes kv_new None). W_UK / W_UV are views of kv_b_proj's weight
     ``[H, nope + v, 512]``, multiplied per head where the query is assembled (ops.mla_query) and
     by ops.mla_value, which writes o_proj's input (no per-call copy of the weight). Under tensor
@@ -218,9 +219,9 @@ class MLAttention(CheckpointViews, nn.Module):
         cfg = self.cfg
         h, nope, rank = self.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_norm = None if cfg.q_lora_rank is None else self.q_a_layernorm.weight
-        qkv = gemv.linear(x, self.qkv_a)
+        qkv = gemv.linear(x, self.qkv_a) if q_norm is None else gemv.linear_parts(x, self.qkv_a)
         kv_rows = getattr(backend, "kv_rows", None) if self.writes_kv_rows else None
-        cache = kv_rows(self.kv_layer_id, batch, qkv.dtype, qkv.shape[0], h) if kv_rows is not None else None
+        cache = kv_rows(self.kv_layer_id, batch, x.dtype, x.shape[0], h) if kv_rows is not None else None
         q_a, kv_new = ops.mla_latents(qkv, self.q_rank, q_norm, self.kv_a_layernorm.weight, LATENT_NORM_EPS, *rope,
                                       cfg.rope_interleave, cache)  # kv_new None: the rows are in the cache
         q = q_a if cfg.q_lora_rank is None else gemv.linear(q_a, self.q_b_proj.weight)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from specdec.models import ops
 from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
-GEMV_MAX_ROWS = 16  # decode GEMMs of at most this many rows stream the weight once in the GEMV
+GEMV_MAX_ROWS = 32  # decode GEMMs of at most this many rows stream the weight once in the GEMV
+FOLD_MAX_ROWS = 4  # silu_linear folds silu * up into the GEMV's loads up to this many rows (past them its own kernel)
 
 
 def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -37,6 +38,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtyp
         return triton_linear(x, weight, out_dtype=out_dtype)
     out = F.linear(x, weight)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def linear_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x ``[M, K]`` @ weight ``[N, K]``^T as ``[S, M, N]`` fp32 partial sums over S parts of K,
+    where the GEMV serves and a weight of few rows would leave SMs idle (k_parts > 1); their sum
+    added in order and rounded to x's dtype is the product (ops.product_values: the consumer adds
+    them as it loads). Else linear(x, weight), ``[M, N]``. E.g. qkv_a ``[2112, 7168]``: 33 tiles of
+    64 rows x 4 parts of 1792 fill 132 SMs, where 132 tiles of 16 rows ran mma.sync, not a wgmma."""
+    if streams(x, weight):
+        parts = k_parts(*weight.shape, _multiprocessors(x.device))
+        if parts > 1:
+            return triton_linear_parts(x, weight, parts)
+    return linear(x, weight)
+
+
+def k_parts(n: int, k: int, sms: int = 132) -> int:
+    """How many parts of K linear_parts sums a weight ``[n, k]`` over: as many as the 64-row
+    tiles' programs fit one wave (at most 8, each part at least 2 K tiles of 128), 1 where the
+    weight's tiles alone fill the SMs (gemv_config's 64-row tiles)."""
+    tiles = -(-n // 64)
+    if gemv_config(n, k, sms)[0] == 64:
+        return 1
+    return max(1, min(8, sms // tiles, k // 256))
+
+
+def triton_linear_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """linear_parts' GEMV (any device Triton runs on, its interpreter included): ``[parts, M, N]``
+    fp32, in 64-row tiles of 128-column K steps."""
+    return _launch(x, weight, False, (64, 128, 4, 6), None, parts=parts)
 
 
 def triton_linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, "HeadPick"]:
@@ -106,10 +136,28 @@ def triton_linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.T
     return _launch(x, weight, False, None, None, rows=(table, ids))
 
 
+def linear_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """ops.silu_mul(linear(x, gate_up)): x ``[M, K]``, gate_up ``[2I, K]`` (gate rows, then up) ->
+    silu(gate) * up ``[M, I]``, each rounded as torch rounds them. Where the GEMV serves, its
+    programs take I / 32 pairs of 32 gate and 32 up rows and pair them in the epilogue: no silu
+    kernel, and the down projection a plain GEMV."""
+    if streams(x, gate_up):
+        return triton_linear_silu(x, gate_up)
+    return ops.silu_mul(linear(x, gate_up))
+
+
+def triton_linear_silu(x: torch.Tensor, gate_up: torch.Tensor,
+                       config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """linear_silu's GEMV: x of unit-stride rows, a contiguous ``[2I, K]`` weight; ``config`` as
+    gemv_config gives it for the weight."""
+    return _launch(x, gate_up, False, config, None, glu=True)
+
+
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(ops.silu_mul(gate_up), weight): gate_up ``[M, 2I]`` (gate ++ up), weight ``[N, I]``
-    -> ``[M, N]``; silu * up computed as the GEMV loads it where the GEMV serves."""
-    if streams(gate_up, weight):
+    -> ``[M, N]``; silu * up computed as the GEMV loads it where the GEMV serves and M <=
+    FOLD_MAX_ROWS (the fold's work repeats in every program: past 4 rows its own kernel is faster)."""
+    if streams(gate_up, weight) and gate_up.shape[0] <= FOLD_MAX_ROWS:
         return triton_silu_linear(gate_up, weight)
     return linear(ops.silu_mul(gate_up), weight)
 
@@ -121,34 +169,25 @@ def silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor) -> torch.
     weight's dtype as linear's output is; the GEMV sums them as it loads its input where it serves.
     E.g. the rank slice's shared expert: ``[14, 1, 512]`` and ``[7168, 256]`` -> ``[1, 7168]``."""
     if (on_triton(partials, weight) and partials.dim() == 3 and partials.dtype == torch.float32
-            and partials.shape[1] <= GEMV_MAX_ROWS and partials.stride(2) == 1 and weight.is_contiguous()
+            and partials.shape[1] <= FOLD_MAX_ROWS and partials.stride(2) == 1 and weight.is_contiguous()
             and weight.dtype in (torch.bfloat16, torch.float16)):
         return triton_silu_linear_partials(partials, weight)
-    return silu_linear(summed_in_order(partials).to(weight.dtype), weight)
-
-
-def summed_in_order(partials: torch.Tensor) -> torch.Tensor:
-    """``[S, ...]`` -> their sum, added first to last (the order the kernels add them in)."""
-    total = partials[0].clone()
-    for part in partials[1:]:
-        total += part
-    return total
+    return silu_linear(ops.summed_in_order(partials).to(weight.dtype), weight)
 
 
 def gemv_config(n: int, k: int, sms: int = 132, silu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight ``[n, k]`` on ``sms`` multiprocessors.
 
-    The weight streams at the bandwidth only with every SM reading: the narrowest tile of 16-64 rows
+    The weight streams at the bandwidth only with every SM reading: the narrowest tile of 16-32 rows
     whose programs fit one wave, e.g. qkv_a ``[2112, 7168]``: 132 programs of 16 rows, not 33 of 64.
-    silu: K tiles of at most 256 (the fold's registers), 4 stages.
+    Else 64 rows (a wgmma), K tiles of 128 in 6 stages, or 4 where two programs must share an SM
+    (more programs than SMs: the head). silu: K tiles of at most 256 (the fold's registers).
     """
     block_n = next((b for b in (16, 32) if -(-n // b) <= sms), 64)
     fit = 1 << max(4, (k - 1).bit_length())  # no K tile past the weight's next power of two
-    if silu:
-        return block_n, min(fit, 256), 4, 4
-    if block_n < 64:
-        return block_n, min(fit, 512 if block_n == 16 else 256), 4, 4
-    return 64, min(fit, 256 if k >= 4096 else 128), 4, (5 if k >= 4096 else 6)
+    if silu or block_n < 64:
+        return block_n, min(fit, 256 if silu or block_n == 32 else 512), 4, 4
+    return 64, min(fit, 128), 4, (6 if -(-n // 64) <= sms else 4)
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, config: Optional[tuple[int, int, int, int]] = None,
@@ -173,44 +212,44 @@ def triton_silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor,
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype,
-            pick: Optional[HeadPick] = None, rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+            pick: Optional[HeadPick] = None, rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+            parts: int = 1, glu: bool = False) -> torch.Tensor:
     """x ``[M, K]`` (``[M, 2K]`` for silu), or for silu ``[S, M, 2K]`` partial sums of it; pick:
     the HeadPick whose parts the programs write (gemv_config's tiles); rows: (table, ids) whose
-    rows the output adds before its rounding (linear_add_rows)."""
+    rows the output adds before its rounding (linear_add_rows); parts > 1: the output is
+    ``[parts, M, N]`` fp32, the sums over K's parts of config's K tiles (linear_parts); glu: the
+    output is silu(gate) * up ``[M, N / 2]`` of the weight's halves (linear_silu)."""
     splits = x.shape[0] if x.dim() == 3 else 1
     m = x.shape[-2]
     n, k = weight.shape
     if x.shape[-1] != (2 * k if silu else k) or (x.dim() == 3 and not silu):
         raise ValueError(f"linear: the input is {tuple(x.shape)}, the weight {tuple(weight.shape)}")
-    out = x.new_empty(m, n, dtype=out_dtype or x.dtype)
+    if glu and n % 2:
+        raise ValueError(f"linear_silu: the weight {tuple(weight.shape)} must be [2I, K], gate then up")
+    shape = (parts, m, n) if parts > 1 else (m, n // 2 if glu else n)
+    out = x.new_empty(shape, dtype=torch.float32 if parts > 1 else out_dtype or x.dtype)
     if m:
         block_n, block_k, warps, stages = config or gemv_config(n, k, _multiprocessors(x.device), silu)
+        k_part = triton.cdiv(triton.cdiv(k, parts), block_k) * block_k
         if splits > 1:  # S partial tiles a K step would not fit shared memory as a pipeline's stages
             stages = 1
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, 16))
+        block_m = 16 if silu or m <= 16 else 32  # the fold: 16-row blocks (silu_linear folds few rows)
+        grid = (triton.cdiv(n // 2 if glu else n, block_n // 2 if glu else block_n), triton.cdiv(m, block_m), parts)
         if pick is not None and pick.keys.shape[1] != grid[0]:
             raise ValueError(f"triton_linear_argmax: {grid[0]} programs for {pick.keys.shape[1]} parts")
         table, ids = rows if rows is not None else (out, out)
         _gemv_kernel[grid](x, weight, out, pick.keys if pick else out, pick.sums if pick else out, table, ids, m, n, k,
-                           x.stride(-2), x.stride(0) if splits > 1 else 0, table.stride(0), table.shape[0], SILU=silu,
-                           SPLITS=splits, ROUND_IN=x.dtype != weight.dtype, ROUND_OUT=out.dtype != weight.dtype,
-                           ROWS=min(16, 1 << (m - 1).bit_length()) if silu else 1, ONE_BLOCK=m if m <= 16 else 0,
-                           PICK=pick is not None, ADD_ROWS=rows is not None, BLOCK_M=16, BLOCK_N=block_n,
-                           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                           k_part, x.stride(-2), x.stride(0) if splits > 1 else 0, table.stride(0), table.shape[0],
+                           SILU=silu, SPLITS=splits, ROUND_IN=x.dtype != weight.dtype,
+                           ROUND_OUT=parts == 1 and out.dtype != weight.dtype,
+                           ROWS=min(block_m, 1 << (m - 1).bit_length()) if silu else 1,
+                           ONE_BLOCK=m if m <= block_m else 0, PICK=pick is not None, ADD_ROWS=rows is not None,
+                           GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-@_jit
-def _summed(ptrs, stride, mask, SPLITS: tl.constexpr):
-    """The SPLITS tensors at ``ptrs + s * stride`` added in order, in fp32."""
-    total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, SPLITS):
-        total += tl.load(ptrs + s * stride, mask=mask, other=0.0).to(tl.float32)
-    return total
 
 
 @_jit
@@ -246,64 +285,92 @@ def _pick_kernel(keys_ptr, sums_ptr, ids_ptr, probs_ptr, P, PROBS: tl.constexpr,
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, table_ptr, ids_ptr, M, N, K, stride_xm, stride_xs,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, table_ptr, ids_ptr, M, N, K, K_PART, stride_xm, stride_xs,
                  stride_table, TABLE_ROWS, SILU: tl.constexpr, SPLITS: tl.constexpr, ROUND_IN: tl.constexpr,
                  ROUND_OUT: tl.constexpr, ROWS: tl.constexpr, ONE_BLOCK: tl.constexpr, PICK: tl.constexpr,
-                 ADD_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program: BLOCK_N output columns of BLOCK_M rows, over all of K (no split: no second
-    pass); the weight tile streams through once, the few x rows come from L2. SILU: x is
-    silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two >= the block's
-    rows) and repeated to BLOCK_M for the dot; the input is the sum of SPLITS partials
-    ``stride_xs`` apart, rounded to the weight's dtype where ROUND_IN. ROUND_OUT: the fp32 output
-    rounded to the weight's dtype, then widened (fp32 logits). ONE_BLOCK: M itself where it is at
-    most BLOCK_M (one row block; 0 else), so that the rows' masks are compile-time constants and
-    the input's copies carry no per-row predicates (docs/kernels.md). PICK: also the HeadPick
-    parts of its BLOCK_N columns, at ``[row, program]`` of keys_ptr / sums_ptr. ADD_ROWS: row m
-    of the output adds the table's row ids[m] to its fp32 sums (none for an id outside its
-    TABLE_ROWS rows)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 ADD_ROWS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One program: BLOCK_N weight rows against BLOCK_M rows of x, over K_PART columns of K, the
+    program_id(2)-th part (K_PART >= K: all of it; else the fp32 partial sum goes to part
+    program_id(2) of out ``[parts, M, N]``, no epilogue). The weight tile streams through once, the
+    few x rows come from L2. The product is weight tile @ x tile^T (``[BLOCK_N, BLOCK_M]``): at 64
+    weight rows a wgmma whose operands the pipeline's copies leave in shared memory.
+    - SILU: x is silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two
+      >= the block's rows) and repeated to BLOCK_M; the input is the sum of SPLITS partials
+      ``stride_xs`` apart, rounded to the weight's dtype where ROUND_IN. Its product is x tile @
+      weight tile^T, x from registers (as a wgmma's B operand it would go through shared memory
+      each K step: 1.8x slower at one row).
+    - GLU: the weight is ``[gate; up]`` (N = 2I rows) and the output silu(gate) * up ``[M, I]``:
+      a program's tile is BLOCK_N / 2 gate rows and the same up rows, paired in its epilogue.
+    - ROUND_OUT: the fp32 output rounded to the weight's dtype, then widened (fp32 logits).
+    - ONE_BLOCK: M itself where it is at most BLOCK_M (one row block; 0 else), so that the rows'
+      masks are compile-time constants and the input's copies carry no per-row predicates
+      (docs/kernels.md).
+    - PICK: also the HeadPick parts of its BLOCK_N columns, at ``[row, program]`` of keys_ptr /
+      sums_ptr. ADD_ROWS: row m of the output adds the table's row ids[m] to its fp32 sums (none
+      for an id outside its TABLE_ROWS rows)."""
+    if GLU:  # output columns rn of silu(gate) * up: weight rows rn (gate) and I + rn (up)
+        r = tl.arange(0, BLOCK_N)
+        rn = tl.program_id(0) * (BLOCK_N // 2) + (r % (BLOCK_N // 2))
+        rw = tl.where(r < BLOCK_N // 2, rn, rn + N // 2)
+        w_in = rn < N // 2
+    else:
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = rn
+        w_in = rn < N
     row0 = 0 if ONE_BLOCK else tl.program_id(1) * BLOCK_M
     if ONE_BLOCK:
         M = ONE_BLOCK
     rm = row0 + tl.arange(0, BLOCK_M)
     dtype = w_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N] if SILU else [BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_lo = tl.program_id(2) * K_PART
+    for k0 in range(0, K_PART, BLOCK_K):
+        rk = k_lo + k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rw[:, None] * K + rk[None, :], mask=w_in[:, None] & (rk < K)[None, :], other=0.0)
         if SILU:
             rs = row0 + tl.arange(0, ROWS)
             mask = (rs < M)[:, None] & (rk < K)[None, :]
             rows = x_ptr + rs[:, None] * stride_xm + rk[None, :]
-            gate = _summed(rows, stride_xs, mask, SPLITS)
-            up = _summed(rows + K, stride_xs, mask, SPLITS)
+            gate = ops.summed(rows, stride_xs, mask, SPLITS)
+            up = ops.summed(rows + K, stride_xs, mask, SPLITS)
             if ROUND_IN:
                 gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as torch's F.silu
-            xs = (act * up).to(dtype)
+            xs = ops.silu_times(gate, up, dtype)
             x = tl.reshape(tl.broadcast_to(xs[None, :, :], [BLOCK_M // ROWS, ROWS, BLOCK_K]), [BLOCK_M, BLOCK_K])
             x = tl.where((tl.arange(0, BLOCK_M) < ROWS)[:, None], x, tl.zeros_like(x))  # the copies past ROWS: 0
+            acc = tl.dot(x, tl.trans(w), acc)
         else:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
                         other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(w, tl.trans(x), acc)
+    if SILU:
+        acc = tl.trans(acc)
+    rows_in = (rm < M)[None, :]
+    if GLU:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2, BLOCK_M]), (1, 2, 0)))
+        cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        act = ops.silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+        tl.store(out_ptr + rm[None, :] * (N // 2) + cols[:, None], act, mask=rows_in & (cols < N // 2)[:, None])
+        return
+    cols_in = (rn < N)[:, None]
+    out_ptr += tl.program_id(2).to(tl.int64) * M * N
     if ADD_ROWS:
         ids = tl.load(ids_ptr + rm, mask=rm < M, other=-1).to(tl.int64)
         known = (rm < M) & (ids >= 0) & (ids < TABLE_ROWS)
-        acc += tl.load(table_ptr + ids[:, None] * stride_table + rn[None, :],
-                       mask=known[:, None] & (rn < N)[None, :], other=0.0).to(tl.float32)
+        acc += tl.load(table_ptr + ids[None, :] * stride_table + rn[:, None], mask=known[None, :] & cols_in,
+                       other=0.0).to(tl.float32)
     if ROUND_OUT:
         acc = acc.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    tl.store(out_ptr + rm[None, :] * N + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=rows_in & cols_in)
     if PICK:
         inf = float("inf")
-        col = (rn < N)[None, :]
         part = rm.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-        keys = tl.where(col, _argmax_keys(acc, rn[None, :]), -2**63)
-        tl.store(keys_ptr + part, tl.max(keys, axis=1), mask=rm < M)
-        v = tl.where(col & (acc == acc), acc, -inf)
-        top = tl.max(v, axis=1)
-        total = tl.sum(tl.where(v == -inf, 0.0, tl.exp(v - top[:, None])), axis=1)
+        keys = tl.where(cols_in, _argmax_keys(acc, rn[:, None]), -2**63)
+        tl.store(keys_ptr + part, tl.max(keys, axis=0), mask=rm < M)
+        v = tl.where(cols_in & (acc == acc), acc, -inf)
+        top = tl.max(v, axis=0)
+        total = tl.sum(tl.where(v == -inf, 0.0, tl.exp(v - top[None, :])), axis=0)
         tl.store(sums_ptr + part * 2, top, mask=rm < M)
         tl.store(sums_ptr + part * 2 + 1, total, mask=rm < M)
+

@@ -13,8 +13,8 @@ from specdec.models.packing import CheckpointViews, row_views
 
 class MLP(CheckpointViews, nn.Module):
     """down(silu(gate(x)) * up(x)); ``gate_up`` ``[2I, D]`` stacks the checkpoint's gate_proj and
-    up_proj weights: one GEMM, then down's, which computes silu(gate) * up as it loads its input
-    (gemv.silu_linear)."""
+    up_proj weights: one GEMM whose epilogue pairs gate and up into silu(gate) * up
+    (gemv.linear_silu), then down's."""
 
     _packed = ("gate_up",)
 
@@ -31,5 +31,5 @@ class MLP(CheckpointViews, nn.Module):
 
     def forward(self, x: torch.Tensor, then: Optional[ops.AddNorm] = None):
         """x ``[T, D]`` -> ``[T, D]``; given ``then``, then(that): (norm, h) ``[T, D]`` each."""
-        out = gemv.silu_linear(gemv.linear(x, self.gate_up), self.down_proj.weight)
+        out = gemv.linear(gemv.linear_silu(x, self.gate_up), self.down_proj.weight)
         return out if then is None else then(out)

@@ -23,6 +23,33 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def summed_in_order(partials: torch.Tensor) -> torch.Tensor:
+    """``[S, ...]`` -> their sum, added first to last (the order the kernels add them in)."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total
+
+
+@_jit
+def summed(ptrs, stride, mask, SPLITS: tl.constexpr):
+    """The SPLITS tensors at ``ptrs + s * stride`` added in order, in fp32."""
+    total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(ptrs + s * stride, mask=mask, other=0.0).to(tl.float32)
+    return total
+
+
+@_jit
+def product_values(ptrs, mask, stride_s, SPLITS: tl.constexpr, DTYPE: tl.constexpr):
+    """A GEMM's output values at ptrs in fp32: SPLITS 0, a 16-bit output as is; else its SPLITS
+    fp32 partial sums ``stride_s`` apart (gemv.linear_parts), added in order and rounded to DTYPE,
+    as the GEMV rounds its output."""
+    if SPLITS == 0:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return summed(ptrs, stride_s, mask, SPLITS).to(DTYPE).to(tl.float32)
+
+
 # ------------------------------------------------------------------------------ rms norm
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,8 +267,14 @@ def _silu_mul_kernel(gu_ptr, out_ptr, INTER, stride_gu, BLOCK: tl.constexpr):
     mask = cols < INTER
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as torch's F.silu
-    tl.store(out_ptr + row * INTER + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * INTER + cols, silu_times(gate, up, out_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def silu_times(gate, up, DTYPE: tl.constexpr):
+    """silu(gate) * up in DTYPE from fp32 values of DTYPE, rounded as torch's F.silu(gate) * up."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return (act * up).to(DTYPE)
 
 
 # ------------------------------------------------------------------------------- rope
@@ -310,15 +343,17 @@ def _rope_cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, T, stride_p, facto
 
 
 @_jit
-def _rope_pairs(ptr, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """(rotated first half, rotated second half) of the 2*HALF values at ptr, in fp32."""
+def _rope_pairs(ptr, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr, stride_s=0, SPLITS: tl.constexpr = 0,
+                DTYPE: tl.constexpr = tl.float32):
+    """(rotated first half, rotated second half) of the 2*HALF values at ptr, in fp32 (SPLITS,
+    stride_s, DTYPE: as product_values reads them)."""
     idx = tl.arange(0, HALF)
     if INTERLEAVE:
-        x1 = tl.load(ptr + 2 * idx).to(tl.float32)
-        x2 = tl.load(ptr + 2 * idx + 1).to(tl.float32)
+        x1 = product_values(ptr + 2 * idx, idx < HALF, stride_s, SPLITS, DTYPE)
+        x2 = product_values(ptr + 2 * idx + 1, idx < HALF, stride_s, SPLITS, DTYPE)
     else:
-        x1 = tl.load(ptr + idx).to(tl.float32)
-        x2 = tl.load(ptr + HALF + idx).to(tl.float32)
+        x1 = product_values(ptr + idx, idx < HALF, stride_s, SPLITS, DTYPE)
+        x2 = product_values(ptr + HALF + idx, idx < HALF, stride_s, SPLITS, DTYPE)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
@@ -332,14 +367,19 @@ def mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], 
     """The fused q_a / kv_a projection's output ``[T, q_rank + 576]`` -> (q side ``[T, q_rank]``,
     kv row ``[T, 576]``): q_a_layernorm on the q side (as is, without ``q_norm``: a plain q_proj's
     output), kv_a_layernorm on the 512 latent dims, RoPE on the 64 rope dims (the row the cache holds).
+    qkv may also come as gemv.linear_parts' ``[S, T, q_rank + 576]`` fp32 partial sums: their
+    in-order sum rounded to kv_norm's dtype is the output (the kernel adds them as it loads).
     ``cache``: the kv rows go there instead, token t's to row ``slots[t]`` (and None comes back).
     """
-    latent = qkv.shape[1] - q_rank - 64
-    if cache is not None and cache[0].dtype != qkv.dtype:
-        raise ValueError(f"mla_latents: the cache rows are {cache[0].dtype}, the projection {qkv.dtype}: a cache of "
+    dtype = qkv.dtype if qkv.dim() == 2 else kv_norm.dtype
+    latent = qkv.shape[-1] - q_rank - 64
+    if cache is not None and cache[0].dtype != dtype:
+        raise ValueError(f"mla_latents: the cache rows are {cache[0].dtype}, the projection {dtype}: a cache of "
                          "another dtype takes kv rows through the backend's forward")
-    if on_triton(qkv, kv_norm) and qkv.stride(1) == 1 and latent == 512 and (cache is None or cache[0].stride(1) == 1):
+    if on_triton(qkv, kv_norm) and qkv.stride(-1) == 1 and latent == 512 and (cache is None or cache[0].stride(1) == 1):
         return triton_mla_latents(qkv, q_rank, q_norm, kv_norm, eps, cos, sin, interleave, cache)
+    if qkv.dim() == 3:
+        qkv = summed_in_order(qkv).to(dtype)
     q, latent_part, rope = qkv.split([q_rank, latent, 64], dim=-1)
     if q_norm is not None:
         q = _torch_rms_norm(q, q_norm, eps)
@@ -353,41 +393,51 @@ def mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], 
 def triton_mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Tensor], kv_norm: torch.Tensor,
                        eps: float, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
                        cache: Optional[KVRows] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """mla_latents' kernel: a latent of 512, rows of unit stride, cos/sin ``[T, 32]`` fp32 contiguous;
-    ``cache`` rows of unit stride in qkv's dtype."""
-    t = qkv.shape[0]
+    """mla_latents' kernel: a latent of 512, rows of unit stride (``[T, C]`` 16-bit or ``[S, T, C]``
+    fp32 parts), cos/sin ``[T, 32]`` fp32 contiguous; ``cache`` rows of unit stride in the output's
+    dtype."""
+    parts = qkv.dim() == 3
+    if parts and (qkv.dtype != torch.float32 or q_norm is None):
+        raise ValueError(f"mla_latents: parts {tuple(qkv.shape)} {qkv.dtype} must be fp32 partial sums of a "
+                         "q_a / kv_a projection (with a q norm)")
+    t = qkv.shape[-2]
+    dtype = kv_norm.dtype if parts else qkv.dtype
     if cache is not None and (tuple(cache[1].shape) != (t,) or cache[0].shape[1] != 576):
         raise ValueError(f"mla_latents: {t} tokens need cache rows [slots, 576] and a slot each, got rows "
                          f"{tuple(cache[0].shape)} and slots {tuple(cache[1].shape)}")
-    kv = qkv.new_empty(t, 576) if cache is None else cache[0]
-    q = qkv.new_empty(t, q_rank) if q_norm is not None else qkv[:, :q_rank]
+    kv = qkv.new_empty(t, 576, dtype=dtype) if cache is None else cache[0]
+    q = qkv.new_empty(t, q_rank, dtype=dtype) if q_norm is not None else qkv[:, :q_rank]
     if t:
         _mla_latents_kernel[(t,)](
             qkv, q, q_norm if q_norm is not None else kv_norm, kv_norm, kv, kv if cache is None else cache[1], cos, sin,
-            eps, q_rank, qkv.stride(0), kv.stride(0), kv.shape[0], HAS_Q_NORM=q_norm is not None,
-            Q_BLOCK=_pow2(q_rank) if q_norm is not None else 1, TO_SLOTS=cache is not None, LATENT=512, HALF=32,
+            eps, q_rank, qkv.stride(-2), qkv.stride(0) if parts else 0, kv.stride(0), kv.shape[0],
+            HAS_Q_NORM=q_norm is not None, Q_BLOCK=_pow2(q_rank) if q_norm is not None else 1,
+            TO_SLOTS=cache is not None, SPLITS=qkv.shape[0] if parts else 0, LATENT=512, HALF=32,
             INTERLEAVE=interleave, num_warps=4)
     return q, (kv if cache is None else None)
 
 
 @_jit
 def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_ptr, sin_ptr, eps, Q_RANK, stride_qkv,
-                        stride_kv, KV_ROWS, HAS_Q_NORM: tl.constexpr, Q_BLOCK: tl.constexpr, TO_SLOTS: tl.constexpr,
-                        LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+                        stride_s, stride_kv, KV_ROWS, HAS_Q_NORM: tl.constexpr, Q_BLOCK: tl.constexpr,
+                        TO_SLOTS: tl.constexpr, SPLITS: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr,
+                        INTERLEAVE: tl.constexpr):
     """TO_SLOTS: token t's kv row goes to row slots[t] of kv (the cache; a slot outside its
-    KV_ROWS rows writes nothing), else to row t."""
+    KV_ROWS rows writes nothing), else to row t. SPLITS: qkv as that many fp32 partial sums
+    ``stride_s`` apart (product_values), 0: a 16-bit qkv."""
     t = tl.program_id(0)
     row = qkv_ptr + t * stride_qkv
+    dtype = kv_ptr.dtype.element_ty
     lat = tl.arange(0, LATENT)
     kv_w = norm_weight(kvw_ptr + lat, lat < LATENT)
     if HAS_Q_NORM:
         cols = tl.arange(0, Q_BLOCK)
         mask = cols < Q_RANK
         q_w = norm_weight(qw_ptr + cols, mask)
-        f = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+        f = product_values(row + cols, mask, stride_s, SPLITS, dtype)
         normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / Q_RANK + eps)
         tl.store(q_ptr + t * Q_RANK + cols, _scaled(q_w, normed, q_ptr.dtype.element_ty), mask=mask)
-    f = tl.load(row + Q_RANK + lat).to(tl.float32)
+    f = product_values(row + Q_RANK + lat, lat < LATENT, stride_s, SPLITS, dtype)
     normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / LATENT + eps)
     slot = t.to(tl.int64)
     if TO_SLOTS:
@@ -398,7 +448,7 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
     idx = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + t * HALF + idx)
     sin = tl.load(sin_ptr + t * HALF + idx)
-    r1, r2 = _rope_pairs(row + Q_RANK + LATENT, cos, sin, HALF, INTERLEAVE)
+    r1, r2 = _rope_pairs(row + Q_RANK + LATENT, cos, sin, HALF, INTERLEAVE, stride_s, SPLITS, dtype)
     tl.store(out + LATENT + idx, r1.to(kv_ptr.dtype.element_ty), mask=inside)
     tl.store(out + LATENT + HALF + idx, r2.to(kv_ptr.dtype.element_ty), mask=inside)
 
