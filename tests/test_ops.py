@@ -116,12 +116,6 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                     ref = torch.cat([q_latent, rope], -1).to(dtype)
                     for query in (ops.triton_mla_query, ops.mla_query):  # the kernel, and what the device takes
                         torch.testing.assert_close(query(q, w_uk, cos[rows], sin[rows], interleave), ref, **tol(dtype))
-                    # q as gemv.linear_parts' fp32 partial sums (eighths: exact sums, as for the latents)
-                    parts = (rand(2, t, heads, nope + 64) * 8).round() / 8
-                    summed = ops.summed_in_order(parts).to(dtype)
-                    for query in (ops.triton_mla_query, ops.mla_query):
-                        assert torch.equal(query(parts, w_uk, cos[rows], sin[rows], interleave),
-                                           query(summed, w_uk, cos[rows], sin[rows], interleave))
                 out = rand(t, heads, latent).to(dtype)
                 ref = (out.float().transpose(0, 1) @ w_uv.float().transpose(1, 2)).transpose(0, 1).flatten(1).to(dtype)
                 for value in (ops.triton_mla_value, ops.mla_value):

@@ -177,8 +177,8 @@ class MLAttention(CheckpointViews, nn.Module):
 
     ``qkv_a`` ``[q_lora + 576, D]`` packs q_a_proj (or, without a q LoRA, q_proj) with
     kv_a_proj_with_mqa: one GEMM (with a q LoRA, as partial sums over parts of D where that fills the
-    SMs: gemv.linear_parts, as q_b's), then one kernel (ops.mla_latents, which adds the parts) for
-    both latent norms and the rope of the cache row, which that kernel writes into the cache where the backend's kv_rows
+    SMs: gemv.linear_parts), then one kernel (ops.mla_latents, which adds the parts) for both latent
+    norms and the rope of the cache row, which that kernel writes into the cache where the backend's kv_rows
     says (its forward then takes kv_new None). W_UK / W_UV are views of kv_b_proj's weight
     ``[H, nope + v, 512]``, multiplied per head where the query is assembled (ops.mla_query) and
     by ops.mla_value, which writes o_proj's input (no per-call copy of the weight). Under tensor
@@ -224,8 +224,8 @@ class MLAttention(CheckpointViews, nn.Module):
         cache = kv_rows(self.kv_layer_id, batch, x.dtype, x.shape[0], h) if kv_rows is not None else None
         q_a, kv_new = ops.mla_latents(qkv, self.q_rank, q_norm, self.kv_a_layernorm.weight, LATENT_NORM_EPS, *rope,
                                       cfg.rope_interleave, cache)  # kv_new None: the rows are in the cache
-        q = q_a if cfg.q_lora_rank is None else gemv.linear_parts(q_a, self.q_b_proj.weight)
-        q = q.unflatten(-1, (h, cfg.qk_head_dim))  # [T, H, nope + 64], or [S, T, H, nope + 64] parts
+        q = q_a if cfg.q_lora_rank is None else gemv.linear(q_a, self.q_b_proj.weight)
+        q = q.view(-1, h, cfg.qk_head_dim)  # [T, H, nope + 64]
         w_uk, w_uv = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
         query = ops.mla_query(q, w_uk, *rope, cfg.rope_interleave)  # [T, H, 576]
         out = self.attend(query, kv_new, backend, batch, x, q_a, rope)  # [T, H, 512]

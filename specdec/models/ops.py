@@ -456,44 +456,35 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
 def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               interleave: bool) -> torch.Tensor:
     """The absorbed query ``[T, H, 576]``: each head's nope dims times its W_UK, then its rotated
-    rope dims; q ``[T, H, nope + 64]``, w_uk ``[H, nope, 512]`` (rows of kv_b_proj's weight). q may
-    also come as gemv.linear_parts' ``[S, T, H, nope + 64]`` fp32 partial sums: their in-order sum
-    rounded to w_uk's dtype is q (the kernel adds them as it loads).
+    rope dims; q ``[T, H, nope + 64]``, w_uk ``[H, nope, 512]`` (rows of kv_b_proj's weight).
 
     One kernel on a GPU (16-bit): a program per (head, 64 latent columns, 16 tokens) streams its
     slice of W_UK once for all the tokens, and rotates the rope dims after it or, past 16 tokens,
     in programs of its own; torch does a batched GEMM, a copy and the rope.
     """
     heads, nope, latent = w_uk.shape
-    parts = q.dim() == 4
-    if q.dim() not in (3, 4) or tuple(q.shape[-2:]) != (heads, nope + 64) or (parts and q.dtype != torch.float32):
-        raise ValueError(f"mla_query: q must be [T, {heads}, {nope + 64}] for W_UK {tuple(w_uk.shape)} (or fp32 "
-                         f"parts [S, T, {heads}, {nope + 64}]), got {tuple(q.shape)} {q.dtype}")
-    if (on_triton(q, w_uk) and w_uk.dtype in (torch.bfloat16, torch.float16) and (parts or q.dtype == w_uk.dtype)
-            and q.stride(-1) == 1 and w_uk.stride(2) == 1 and nope >= 16 and nope & (nope - 1) == 0
-            and latent % 64 == 0):
+    if q.dim() != 3 or tuple(q.shape[1:]) != (heads, nope + 64):
+        raise ValueError(f"mla_query: q must be [T, {heads}, {nope + 64}] for W_UK {tuple(w_uk.shape)}, "
+                         f"got {tuple(q.shape)}")
+    if (on_triton(q, w_uk) and q.dtype in (torch.bfloat16, torch.float16) and q.stride(2) == 1
+            and w_uk.stride(2) == 1 and nope >= 16 and nope & (nope - 1) == 0 and latent % 64 == 0):
         return triton_mla_query(q, w_uk, cos, sin, interleave)
-    if parts:
-        q = summed_in_order(q).to(w_uk.dtype)
     q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, T, 512]
     return torch.cat([q_latent.transpose(0, 1), apply_rope(q[..., nope:], cos, sin, interleave)], dim=-1)
 
 
 def triton_mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      interleave: bool) -> torch.Tensor:
-    """mla_query's kernel: last dims of unit stride (q 16-bit, or fp32 parts ``[S, T, H, nope +
-    64]``), cos/sin ``[T, 32]`` fp32 contiguous."""
-    parts = q.dim() == 4
-    t, heads, _ = q.shape[-3:]
+    """mla_query's kernel: last dims of unit stride, cos/sin ``[T, 32]`` fp32 contiguous."""
+    t, heads, _ = q.shape
     nope, latent = w_uk.shape[1:]
-    query = w_uk.new_empty(t, heads, latent + 64)
+    query = q.new_empty(t, heads, latent + 64)
     if t:
         block_m = 16 if t <= 16 else 64
         rope_apart = block_m == 64  # the rope in programs of its own: the last column block
         grid = (heads, triton.cdiv(latent, 64) + rope_apart, triton.cdiv(t, block_m))
-        _mla_query_kernel[grid](q, w_uk, query, cos, sin, t, q.stride(-3), q.stride(-2), q.stride(0) if parts else 0,
-                                w_uk.stride(0), w_uk.stride(1), NOPE=nope, LATENT=latent, HALF=32,
-                                INTERLEAVE=interleave, ROPE_APART=rope_apart, SPLITS=q.shape[0] if parts else 0,
+        _mla_query_kernel[grid](q, w_uk, query, cos, sin, t, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
+                                NOPE=nope, LATENT=latent, HALF=32, INTERLEAVE=interleave, ROPE_APART=rope_apart,
                                 BLOCK_M=block_m, BLOCK_N=64, num_warps=4)
     return query
 
@@ -526,18 +517,15 @@ def triton_mla_value(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 
 
 @_jit
-def _mla_query_kernel(q_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, T, stride_qt, stride_qh, stride_qs, stride_wh,
-                      stride_wd, NOPE: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr,
-                      INTERLEAVE: tl.constexpr, ROPE_APART: tl.constexpr, SPLITS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _mla_query_kernel(q_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, T, stride_qt, stride_qh, stride_wh, stride_wd,
+                      NOPE: tl.constexpr, LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+                      ROPE_APART: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows past T load row T - 1 again (no masks on the loads) and store nothing. Row offsets are
     int64: a long prefill's T * H * 576 passes 2^31. The rope dims: ROPE_APART, the programs of
     column block LATENT / BLOCK_N (at 64-token blocks, where after a product's they lengthened the
     launch's slowest program); else column block 0's, after its product (at 16-token blocks, where
-    the extra programs cost more). SPLITS: q as that many fp32 partial sums ``stride_qs`` apart
-    (product_values), 0: a 16-bit q."""
+    the extra programs cost more)."""
     h, n_blk = tl.program_id(0), tl.program_id(1)
-    dtype = w_ptr.dtype.element_ty
     rm = (tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rows = tl.minimum(rm, T - 1)
     heads = tl.num_programs(0)
@@ -548,14 +536,13 @@ def _mla_query_kernel(q_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, T, stride_qt, str
         rn = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rd = tl.arange(0, NOPE)
         w = tl.load(w_ptr + h * stride_wh + rd[:, None] * stride_wd + rn[None, :])  # [NOPE, BLOCK_N]
-        q = product_values(q_rows + rd[None, :], (rd < NOPE)[None, :], stride_qs, SPLITS, dtype)
-        acc = tl.dot(q.to(dtype), w)
+        acc = tl.dot(tl.load(q_rows + rd[None, :]), w)
         tl.store(out_rows + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=stored)
     if n_blk == (LATENT // BLOCK_N if ROPE_APART else 0):
         idx = tl.arange(0, HALF)
         cos = tl.load(cos_ptr + rows[:, None] * HALF + idx[None, :])
         sin = tl.load(sin_ptr + rows[:, None] * HALF + idx[None, :])
-        r1, r2 = _rope_pairs(q_rows + NOPE, cos, sin, HALF, INTERLEAVE, stride_qs, SPLITS, dtype)
+        r1, r2 = _rope_pairs(q_rows + NOPE, cos, sin, HALF, INTERLEAVE)
         tl.store(out_rows + LATENT + idx[None, :], r1.to(out_ptr.dtype.element_ty), mask=stored)
         tl.store(out_rows + LATENT + HALF + idx[None, :], r2.to(out_ptr.dtype.element_ty), mask=stored)
 
