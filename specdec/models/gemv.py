@@ -1,13 +1,14 @@
-"""Decode GEMMs of a few rows as weight reads: one Triton kernel streams each weight once; for the
-MLP's down projection it computes SwiGLU's silu(gate) * up as it loads its input, so that step
-costs no launch of its own (also from partial sums of the gate/up GEMM: silu_linear_partials);
-for the head it also leaves each program's argmax and softmax sums (triton_linear_argmax), so a greedy
-token is one small reduce, not a pass of torch's argmax over the logits (docs/kernels.md).
+"""Decode GEMMs of up to 32 rows as weight reads: one Triton kernel streams each weight once, as
+weight tile @ x tile^T (a wgmma at 64 weight rows). Its epilogues: silu(gate) * up for the MLP's
+gate/up GEMM (linear_silu), so down is a plain GEMV; the head's per-program argmax and softmax sums
+(triton_linear_argmax), so a greedy token is one small reduce; a per-token table row added
+(linear_add_rows); or fp32 partial sums over parts of K for a weight of few rows (linear_parts,
+summed by the kernel that reads them). silu * up of a few rows' partial sums is folded into the
+loads (silu_linear_partials: the MoE shared expert).
 
-Why our own kernel: cuBLAS runs GEMMs of a few rows at about half the read bandwidth. The silu
-fold computes on the block's real rows only (repeated to the 16 rows a dot takes): on all 16 it
-cost more than the launch it saves. Larger and fp32 GEMMs go to cuBLAS (fp32: tensor cores would
-round it to tf32); CPU and autograd take the torch path.
+Why our own kernel: cuBLAS runs GEMMs of a few rows at about half the read bandwidth. Larger and
+fp32 GEMMs go to cuBLAS (fp32: tensor cores would round it to tf32); CPU and autograd take the
+torch path. Numbers: docs/benchmarks.md.
 """
 
 from __future__ import annotations
