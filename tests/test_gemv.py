@@ -61,19 +61,15 @@ def check_all(device, dtypes):
                     assert torch.equal(gemv.silu_linear_partials(parts, w), want)
         check_pick(rand, dtype)
         check_add_rows(rand, dtype)
-        try:
-            gemv.triton_silu_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
-        except ValueError as e:
-            assert "weight (4, 6)" in str(e)
-        else:
-            raise AssertionError("a gate_up of the wrong width was taken")
-        try:
-            gemv.triton_linear_silu(rand(2, 6).to(dtype), rand(5, 6).to(dtype))
-        except ValueError as e:
-            assert "[2I, K]" in str(e)
-        else:
-            raise AssertionError("a gate_up of odd rows was taken")
-
+        wide = lambda: gemv.triton_silu_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
+        odd = lambda: gemv.triton_linear_silu(rand(2, 6).to(dtype), rand(5, 6).to(dtype))
+        for call, words in ((wide, "weight (4, 6)"), (odd, "[2I, K]")):
+            try:  # a gate_up of the wrong width, of odd rows
+                call()
+            except ValueError as e:
+                assert words in str(e)
+            else:
+                raise AssertionError(f"taken: {words}")
 
 def check_add_rows(rand, dtype):
     # linear_add_rows: x @ w^T + table[ids] against the fp32 sum rounded once; an id outside the

@@ -245,7 +245,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype
                            ROUND_OUT=parts == 1 and out.dtype != weight.dtype,
                            ROWS=min(block_m, 1 << (m - 1).bit_length()) if silu else 1,
                            ONE_BLOCK=m if m <= block_m else 0, PICK=pick is not None, ADD_ROWS=rows is not None,
-                           GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                           GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                           num_stages=stages)
     return out
 
 
