@@ -178,8 +178,8 @@ class MLAttention(CheckpointViews, nn.Module):
     ``qkv_a`` ``[q_lora + 576, D]`` packs q_a_proj (or, without a q LoRA, q_proj) with
     kv_a_proj_with_mqa: one GEMM (with a q LoRA, as partial sums over parts of D where that fills the
     SMs: gemv.linear_parts), then one kernel (ops.mla_latents, which adds the parts) for both latent
-    norms and the rope of the cache row, which that kernel writes into the cache where the backend's kv_rows
-    says (its forward then takes kv_new None). W_UK / W_UV are views of kv_b_proj's weight
+    norms and the rope of the cache row, which that kernel writes into the cache where the backend's
+    kv_rows says (its forward then takes kv_new None). W_UK / W_UV are views of kv_b_proj's weight
     ``[H, nope + v, 512]``, multiplied per head where the query is assembled (ops.mla_query) and
     by ops.mla_value, which writes o_proj's input (no per-call copy of the weight). Under tensor
     parallelism a rank holds num_attention_heads / tp heads (q_b_proj, kv_b_proj, o_proj sliced by

@@ -58,10 +58,9 @@ def k_parts(n: int, k: int, sms: int = 132) -> int:
     """How many parts of K linear_parts sums a weight ``[n, k]`` over: as many as the 64-row
     tiles' programs fit one wave (at most 8, each part at least 2 K tiles of 128), 1 where the
     weight's tiles alone fill the SMs (gemv_config's 64-row tiles)."""
-    tiles = -(-n // 64)
     if gemv_config(n, k, sms)[0] == 64:
         return 1
-    return max(1, min(8, sms // tiles, k // 256))
+    return max(1, min(8, sms // -(-n // 64), k // 256))
 
 
 def triton_linear_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
