@@ -68,3 +68,25 @@ def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
         if name in ("_gate_up_kernel", "_down_kernel"):
             assert "cp.async" in compiled.asm["ptx"]
         assert compiled.metadata.shared <= H200_SHARED_MEMORY
+
+
+@pytest.mark.parametrize("dtype,experts,inter", [(torch.bfloat16, 64, 256), (torch.bfloat16, 256, 2048),
+                                                 (torch.float16, 64, 256)],
+                         ids=["bf16-rank-slice", "bf16-whole-expert", "fp16"])
+def test_one_token_tail_compiles_for_sm90(monkeypatch, dtype, experts, inter):
+    """Without a GPU: one token's tail (moe_kernels.one_token_tail, MoE's path at one 16-bit
+    token), at the rank slice's I = 256 and a whole expert's 2048 (K loops of 256), compiles for
+    H200 within a block's shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    from specdec.models import moe_kernels
+
+    launches = []
+    monkeypatch.setattr(moe_kernels, "_one_token_tail_kernel",
+                        Recorder(moe_kernels._one_token_tail_kernel, launches))
+    ids = torch.randint(0, experts, (1, 8), generator=torch.Generator().manual_seed(0))
+    blocks = moe_kernels.single_token_blocks(ids, experts, 16)
+    down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, 7168, inter)
+    moe_kernels.one_token_tail(torch.empty(8 * 16, inter, dtype=dtype), down, blocks, torch.rand(1, 8),
+                               torch.empty(14, 1, 2 * inter), torch.empty(7168, inter, dtype=dtype))
+    (launch,) = launches
+    assert compile_for_sm90(*launch).metadata.shared <= H200_SHARED_MEMORY

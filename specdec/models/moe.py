@@ -4,9 +4,11 @@ A routed expert runs only on the tokens that chose it: the (token, expert) pairs
 per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts run as one grouped
 GEMM over those blocks.
 
-A bf16 decode MoE layer's Triton path launches 7 kernels (6 for one token): the router's GEMM,
-with the shared expert's gate/up in it, and its choice, the layout (none for one token), the
-grouped GEMM's two, the shared expert's down GEMV and the combine.
+A bf16 decode MoE layer's Triton path launches 7 kernels: the router's GEMM, with the shared
+expert's gate/up in it, and its choice, the layout, the grouped GEMM's two, the shared expert's
+down GEMV and the combine (with the next norm). One token's, 4 and the next norm's: the router's
+two, the gate/up GEMM, and one kernel for the down GEMMs, the shared down and their sum
+(moe_kernels.one_token_tail), where a combine at one token would run on one SM.
 """
 
 from __future__ import annotations
@@ -135,8 +137,8 @@ class MoE(CheckpointViews, nn.Module):
         return views
 
     def forward(self, x: torch.Tensor, then: Optional[ops.AddNorm] = None):
-        """x ``[T, D]`` -> ``[T, D]``; given ``then``, then(that): (norm, h) ``[T, D]`` each, the
-        combine kernel's (one launch for both) on the Triton path."""
+        """x ``[T, D]`` -> ``[T, D]``; given ``then``, then(that): (norm, h) ``[T, D]`` each, on the
+        Triton path the combine kernel's (one launch for both) past one token."""
         fused = self._fuses_shared(x)
         if fused:  # the shared expert's gate/up in the router's launch, its down GEMV summing the partials
             weights, ids, shared_gate_up = self.gate.route_with(x, self.shared_experts.gate_up)
@@ -151,6 +153,11 @@ class MoE(CheckpointViews, nn.Module):
             out = routed.to(x.dtype) + self.shared_experts(x)
             return out if then is None else then(out)
         blocks = layout_for(ids, triton_sort_into_blocks)(ids, num_experts, tiles.block_m)
+        if fused and x.shape[0] == 1:  # one token: its down products, the shared down and their sum in one kernel
+            h = moe_kernels.grouped_gate_up(x.contiguous(), self.experts_gate_up, blocks, tiles)
+            out = moe_kernels.one_token_tail(h, self.experts_down, blocks, weights, shared_gate_up,
+                                             self.shared_experts.down_proj.weight)
+            return out if then is None else then(out)
         per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
                                                blocks, tiles)
         shared = (gemv.silu_linear_partials(shared_gate_up, self.shared_experts.down_proj.weight) if fused
