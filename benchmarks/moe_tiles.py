@@ -6,7 +6,7 @@ At the rank slice's MoE shapes (E 256, D 7168, I 256, k 8, bf16), for each token
 (N tile, K tile, warps, stages) of either kernel: a CUDA graph of 24 calls, each with its own
 uniform random routing (so the weights rotate past L2), replayed (mla_kernels.graph_time_us); us
 a call, against the floor of the chosen experts' weight bytes at 4300 GB/s. Also the shared expert's two
-GEMVs (gemv.linear, gemv.silu_linear) against a 9th routed block at today's tiles. Compiles run
+GEMVs (gemv.linear; silu_mul, then gemv.linear) against a 9th routed block at today's tiles. Compiles run
 first in 16 processes (Triton's disk cache), so a sweep of ~90 configurations takes 1-2 minutes.
 Prints each kernel's six best a token count and today's tiles; the CSV has every row.
 """
@@ -123,14 +123,14 @@ def sweep(token_counts: list[int]) -> list[dict]:
 
 def shared_against_a_block() -> None:
     """The shared expert's GEMVs (24 weight copies) against one more routed block a token."""
-    from specdec.models import gemv, moe_kernels as mk
+    from specdec.models import gemv, moe_kernels as mk, ops
     gate_up = [torch.randn(2 * I, D, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(CALLS)]
     down = [torch.randn(D, I, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(CALLS)]
     for tokens in (1, 4):
         x = torch.randn(tokens, D, dtype=torch.bfloat16, device="cuda")
         h = gemv.linear(x, gate_up[0])
         t_gu = graph_time_us([lambda w=w: gemv.linear(x, w) for w in gate_up])
-        t_dn = graph_time_us([lambda w=w: gemv.silu_linear(h, w) for w in down])
+        t_dn = graph_time_us([lambda w=w: gemv.linear(ops.silu_mul(h), w) for w in down])
         print(f"shared T={tokens}: gate_up GEMV {t_gu:.1f} us, down+silu GEMV {t_dn:.1f} us "
               f"(floor {2 * I * D * 2 / BANDWIDTH * 1e6:.1f} + {I * D * 2 / BANDWIDTH * 1e6:.1f})")
         for top_k in (K, K + 1):

@@ -1,4 +1,4 @@
-"""specdec.models.gemv: the GEMV, its folded silu * up (also from partial sums), its fp32 logits
+"""specdec.models.gemv: the GEMV, its silu * up epilogue, its parts of K, its fp32 logits
 and their greedy picks, against fp32 products of the torch steps and torch's argmax, under
 Triton's interpreter on the CPU and on a GPU."""
 
@@ -45,23 +45,9 @@ def check_all(device, dtypes):
             if device == "cuda" and m <= gemv.GEMV_MAX_ROWS:
                 assert torch.equal(gemv.linear_silu(x, gu_w), want)
 
-            gate_up = rand(m, 2 * k).to(dtype)
-            act = ops.silu_mul(gate_up)  # the torch path on the CPU, its kernel on a GPU
-            torch.testing.assert_close(gemv.triton_silu_linear(gate_up, w), (act.float() @ w.float().T).to(dtype),
-                                       **TOL)
-            # The gate/up GEMM as partial sums (a column slice, as router_logits' extra columns): their
-            # in-order sum, rounded, is the input. Eighths add exactly (the interpreter rounds fp32 to
-            # 16 bits its own way); on a GPU, any values.
-            eighths = [(rand(splits, m, 2 * k + 8) * 8).round() / 8 for splits in (1, 3)]
-            for parts in eighths + ([rand(3, m, 2 * k + 8)] if device == "cuda" else []):
-                parts, splits = parts[..., 8:], parts.shape[0]
-                want = gemv.triton_silu_linear(ops.summed_in_order(parts).to(dtype), w)
-                assert torch.equal(gemv.triton_silu_linear_partials(parts, w), want), (m, n, k, splits)
-                if device == "cuda":
-                    assert torch.equal(gemv.silu_linear_partials(parts, w), want)
         check_pick(rand, dtype)
         check_add_rows(rand, dtype)
-        wide = lambda: gemv.triton_silu_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
+        wide = lambda: gemv.triton_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
         odd = lambda: gemv.triton_linear_silu(rand(2, 6).to(dtype), rand(5, 6).to(dtype))
         for call, words in ((wide, "weight (4, 6)"), (odd, "[2I, K]")):
             try:  # a gate_up of the wrong width, of odd rows
@@ -142,7 +128,7 @@ def test_k_parts_fill_one_wave_where_the_tiles_do_not():
 @pytest.mark.parametrize("rows", [1, gemv.GEMV_MAX_ROWS])
 def test_gemv_compiles_for_sm90(monkeypatch, rows):
     """Without a GPU: the rank slice's layer GEMVs (qkv_a also in parts of K, gate_up also with its
-    silu epilogue, the down one with its silu fold), its head with
+    silu epilogue), its head with
     the greedy picks (and their reduce) and the MTP layer's eh_proj half with its table rows, at
     one row and at GEMV_MAX_ROWS, compile for H200, each within a block's shared memory."""
     pytest.importorskip("triton.backends.nvidia")
@@ -154,7 +140,7 @@ def test_gemv_compiles_for_sm90(monkeypatch, rows):
     for n, k in ((2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168)):
         gemv.triton_linear(torch.empty(rows, k, **bf16), torch.empty(n, k, **bf16))
     gemv.triton_linear_parts(torch.empty(rows, 7168, **bf16), torch.empty(2112, 7168, **bf16), 4)
-    gemv.triton_silu_linear(torch.empty(rows, 2 * 2304, **bf16), torch.empty(7168, 2304, **bf16))
+    gemv.triton_linear(torch.empty(rows, 2304, **bf16), torch.empty(7168, 2304, **bf16))
     gemv.triton_linear_silu(torch.empty(rows, 7168, **bf16), torch.empty(4608, 7168, **bf16))
     monkeypatch.setattr(gemv, "_pick_kernel", Recorder(gemv._pick_kernel, launches))
     gemv.triton_linear_argmax(torch.empty(rows, 7168, **bf16), torch.empty(16160, 7168, **bf16))[1].top1()

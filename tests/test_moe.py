@@ -393,56 +393,63 @@ print("ok")
 """)
 
 
-def test_one_token_tail_under_triton_interpreter():
-    """one_token_tail against the three launches it replaces (grouped_experts' down GEMM, the
-    shared expert's down GEMV of the partials, the combine) and the per-token reference: I past one
-    K tile (300) and not a power of two, D not a multiple of the programs' 8 columns, k = 2 and 8
-    with a repeated expert."""
+def test_decode_tail_under_triton_interpreter():
+    """decode_tail against the torch reference of the launches it replaces (the pairs' down
+    products weighted and summed in order, rounded, plus the shared expert's down projection of
+    silu(gate) * up of the partials, rounded) and the per-token reference: one token's layout and a
+    sorted one of 3 tokens, I past one K tile (300) and not a power of two, D not a multiple of the
+    programs' 8 columns, k = 2 and 8, a repeated expert."""
     pytest.importorskip("triton")
     run_interpreted("""
 import torch
-from specdec.models import gemv
-from specdec.models.moe_kernels import (grouped_experts, grouped_gate_up, one_token_tail, router_logits,
-                                        single_token_blocks, tiles_for, triton_combine)
+from specdec.models import ops
+from specdec.models.moe_kernels import (decode_tail, grouped_gate_up, router_logits, single_token_blocks,
+                                        sort_into_blocks, tiles_for)
 from test_moe import assert_matches, make_moe, reference
 
-for hidden, inter, top_k, ids in ((72, 40, 2, [[5, 1]]), (1100, 300, 8, [[3, 0, 7, 3, 1, 2, 6, 5]])):
+cases = ((72, 40, 2, [[5, 1]]), (1100, 300, 8, [[3, 0, 7, 3, 1, 2, 6, 5]]), (72, 40, 2, [[5, 1], [1, 4], [5, 5]]))
+for hidden, inter, top_k, ids in cases:
     moe = make_moe(torch.bfloat16, hidden_size=hidden, moe_intermediate_size=inter, num_experts_per_tok=top_k,
                    n_group=4, topk_group=4).eval()
-    gen = torch.Generator().manual_seed(hidden)
-    x = torch.randn(1, hidden, generator=gen).bfloat16()
+    gen = torch.Generator().manual_seed(hidden + len(ids))
     ids = torch.tensor(ids)
-    weights = torch.rand(1, top_k, generator=gen) + 0.1
+    tokens = ids.shape[0]
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     gate_up, down = moe.experts_gate_up.detach(), moe.experts_down.detach()
     shared_down = moe.shared_experts.down_proj.weight.detach()
     partials = router_logits(x, moe.gate.weight.detach(), moe.shared_experts.gate_up.detach())[..., 8:]
-    tiles = tiles_for(top_k, 8, hidden, inter, torch.bfloat16)
-    blocks = single_token_blocks(ids, 8, tiles.block_m)
-    got = one_token_tail(grouped_gate_up(x, gate_up, blocks, tiles), down, blocks, weights, partials, shared_down)
-    per_pair = grouped_experts(x, gate_up, down, weights, blocks, tiles).view(1, top_k, hidden)
-    want = triton_combine(per_pair, gemv.triton_silu_linear_partials(partials, shared_down))
-    assert got.dtype == torch.bfloat16 and got.shape == (1, hidden)
-    # one bf16 step apart at most: each down product reduced in another order
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    tiles = tiles_for(ids.numel(), 8, hidden, inter, torch.bfloat16)
+    blocks = (single_token_blocks if tokens == 1 else sort_into_blocks)(ids, 8, tiles.block_m)
+    h = grouped_gate_up(x, gate_up, blocks, tiles)
+    got = decode_tail(h, down, blocks, weights, partials, shared_down)
+    rows = h[blocks.pair_row].float().view(tokens, top_k, inter)
+    routed = torch.zeros(tokens, hidden)
+    for j in range(top_k):
+        routed += weights[:, j, None] * torch.einsum("ti,tdi->td", rows[:, j], down[ids[:, j]].float())
+    act = ops.silu_mul(ops.summed_in_order(partials).bfloat16())
+    want = (routed.bfloat16().float() + (act.float() @ shared_down.float().T).bfloat16().float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+    # a bf16 step apart at most: the fp32 sums in other orders, the interpreter's bf16 truncation
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
     assert_matches(got, reference(moe, x, weights, ids), torch.bfloat16)
 print("ok")
 """)
 
 
-def test_one_token_tail_refuses_other_inputs():
-    """Not one token's 16-bit h, weights [1, k] and fp32 partials [S, 1, 2I_s]: refused, no launch."""
-    from specdec.models.moe_kernels import one_token_tail, single_token_blocks
+def test_decode_tail_refuses_other_inputs():
+    """Not 16-bit h, fp32 weights [T, k] and fp32 partials [S, T, 2I_s] of one T: refused, no launch."""
+    from specdec.models.moe_kernels import decode_tail, single_token_blocks
 
     blocks = single_token_blocks(torch.tensor([[1, 2]]), 4, 16)
-    h, down = torch.zeros(32, 8, dtype=torch.bfloat16), torch.zeros(4, 64, 8, dtype=torch.bfloat16)
-    partials, shared_down = torch.zeros(2, 1, 16), torch.zeros(64, 8, dtype=torch.bfloat16)
-    for bad in (dict(partials=torch.zeros(2, 2, 16)), dict(h=h.float()), dict(weights=torch.ones(2, 1)),
-                dict(shared_down=torch.zeros(64, 4, dtype=torch.bfloat16)), dict(partials=partials.double())):
-        args = dict(h=h, down=down, blocks=blocks, weights=torch.ones(1, 2), shared_partials=partials,
-                    shared_down=shared_down)
-        args.update({("shared_partials" if k == "partials" else k): v for k, v in bad.items()})
-        with pytest.raises(ValueError, match="one_token_tail"):
-            one_token_tail(**args)
+    good = dict(h=torch.zeros(32, 8, dtype=torch.bfloat16), down=torch.zeros(4, 64, 8, dtype=torch.bfloat16),
+                blocks=blocks, weights=torch.ones(1, 2), shared_partials=torch.zeros(2, 1, 16),
+                shared_down=torch.zeros(64, 8, dtype=torch.bfloat16))
+    for bad in (dict(shared_partials=torch.zeros(2, 2, 16)), dict(h=good["h"].float()),
+                dict(weights=torch.ones(2, 1)), dict(shared_down=torch.zeros(64, 4, dtype=torch.bfloat16)),
+                dict(shared_partials=torch.zeros(2, 1, 16, dtype=torch.float64)), dict(weights=torch.ones(1, 2).double())):
+        with pytest.raises(ValueError, match="decode_tail"):
+            decode_tail(**{**good, **bad})
 
 
 def test_triton_path_under_triton_interpreter():
@@ -528,9 +535,9 @@ def test_triton_path_on_gpu(monkeypatch, dtype):
 def test_kernels_match_the_torch_path_on_gpu():
     """On the GPU, each new kernel against the torch path's ops on the same CUDA inputs: the
     router's choice and the layout exactly, the combine bit for bit (the GPU rounds as torch), and
-    with the next norm the norm kernel's bits; one token's tail within a bf16 step of the three
-    launches it replaces."""
-    from specdec.models.moe_kernels import (grouped_experts, grouped_gate_up, one_token_tail, single_token_blocks,
+    with the next norm the norm kernel's bits; the decode tail within a bf16 step of the three
+    launches it replaces (at 1 and 4 tokens)."""
+    from specdec.models.moe_kernels import (decode_tail, grouped_experts, grouped_gate_up, single_token_blocks,
                                             triton_combine, triton_route, triton_sort_into_blocks)
     from specdec.models.moe_kernels import router_logits as router_gemm
 
@@ -554,18 +561,20 @@ def test_kernels_match_the_torch_path_on_gpu():
         x = torch.randn(tokens, 7168, generator=gen).to("cuda", torch.bfloat16)
         w = torch.randn(64, 7168, generator=gen).to("cuda", torch.bfloat16)
         torch.testing.assert_close(router_gemm(x, w).sum(0), F.linear(x.float(), w.float()), rtol=1e-5, atol=1e-3)
-    moe = make_moe(torch.bfloat16, "cuda", **DEEPSEEK_LIKE).eval()  # one token's tail: one kernel for three
-    x = torch.randn(1, 7168, generator=gen).to("cuda", torch.bfloat16)
-    with torch.inference_mode():
-        weights, ids, partials = moe.gate.route_with(x, moe.shared_experts.gate_up)
-        tiles = tiles_for(8, 64, 7168, 256, torch.bfloat16)
-        blocks = single_token_blocks(ids, 64, tiles.block_m)
-        shared_down = moe.shared_experts.down_proj.weight
-        got = one_token_tail(grouped_gate_up(x, moe.experts_gate_up, blocks, tiles), moe.experts_down, blocks,
-                             weights, partials, shared_down)
-        per_pair = grouped_experts(x, moe.experts_gate_up, moe.experts_down, weights, blocks, tiles)
-        want = triton_combine(per_pair.view(1, 8, 7168), gemv.silu_linear_partials(partials, shared_down))
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    moe = make_moe(torch.bfloat16, "cuda", **DEEPSEEK_LIKE).eval()  # the decode tail: one kernel for three
+    for tokens in (1, 4):
+        x = torch.randn(tokens, 7168, generator=gen).to("cuda", torch.bfloat16)
+        with torch.inference_mode():
+            weights, ids, partials = moe.gate.route_with(x, moe.shared_experts.gate_up)
+            tiles = tiles_for(8 * tokens, 64, 7168, 256, torch.bfloat16)
+            blocks = (single_token_blocks if tokens == 1 else triton_sort_into_blocks)(ids, 64, tiles.block_m)
+            shared_down = moe.shared_experts.down_proj.weight
+            got = decode_tail(grouped_gate_up(x, moe.experts_gate_up, blocks, tiles), moe.experts_down, blocks,
+                              weights, partials, shared_down)
+            per_pair = grouped_experts(x, moe.experts_gate_up, moe.experts_down, weights, blocks, tiles)
+            act = ops.silu_mul(ops.summed_in_order(partials).bfloat16())
+            want = triton_combine(per_pair.view(tokens, 8, 7168), F.linear(act, shared_down))
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
     per_pair = torch.randn(64, 8, 7168, generator=gen).cuda()
     shared = torch.randn(64, 7168, generator=gen).to("cuda", torch.bfloat16)
     routed = per_pair[:, 0].clone()

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from sm90_compile import H200_SHARED_MEMORY, Recorder, compile_for_sm90
-from specdec.models import gemv, moe as moe_module, ops
+from specdec.models import moe as moe_module, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.moe_kernels import LAYOUT_MAX_PAIRS, tiles_for
 
-KERNELS = ("_router_kernel", "_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel")
+KERNELS = ("_router_kernel", "_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel",
+           "_decode_tail_kernel")
 
 
 def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter, then=False):
@@ -23,8 +24,8 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter,
     from specdec.models import moe_kernels
 
     launches = []
-    for module, name in [*((moe_kernels, name) for name in KERNELS), (gemv, "_gemv_kernel")]:
-        monkeypatch.setattr(module, name, Recorder(getattr(module, name), launches))
+    for name in KERNELS:
+        monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name), launches))
     cfg = DeepseekV3Config(n_routed_experts=experts, n_group=8, topk_group=4, num_experts_per_tok=top_k)
     x = torch.empty(tokens, hidden, dtype=dtype)
     fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
@@ -37,10 +38,13 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter,
               else moe_kernels.sort_into_blocks)
     gate_up = torch.empty(1, 1, hidden, dtype=dtype).expand(experts, 2 * inter, hidden)
     down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, hidden, inter)
-    per_pair = moe_kernels.grouped_experts(x, gate_up, down,
-                                           torch.rand(tokens, top_k), layout(ids, experts, tiles.block_m), tiles)
-    if shared is not None:
-        gemv.triton_silu_linear_partials(partials[..., experts:], torch.empty(hidden, inter, dtype=dtype))
+    blocks = layout(ids, experts, tiles.block_m)
+    if fused:  # the down GEMMs, the shared down and the sum in one kernel; the next norm its own
+        h = moe_kernels.grouped_gate_up(x, gate_up, blocks, tiles)
+        moe_kernels.decode_tail(h, down, blocks, torch.rand(tokens, top_k), partials[..., experts:],
+                                torch.empty(hidden, inter, dtype=dtype))
+        return launches
+    per_pair = moe_kernels.grouped_experts(x, gate_up, down, torch.rand(tokens, top_k), blocks, tiles)
     norm = ops.AddNorm(torch.empty(tokens, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype), 1e-6) if then else None
     moe_kernels.triton_combine(per_pair.view(tokens, top_k, hidden), torch.empty(tokens, hidden, dtype=dtype), norm)
     return launches
@@ -60,33 +64,14 @@ def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
     launches = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter)
     fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
     names = [kernel.fn.__name__ for kernel, _, _ in launches]
-    want = [name for name in KERNELS if tokens * 8 <= LAYOUT_MAX_PAIRS or name != "_layout_kernel"]
-    assert names == want[:-1] + ["_gemv_kernel"] * fused + want[-1:]
-    combine_with_norm = recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168, inter, then=True)[-1]
-    for name, launch in [*zip(names, launches), ("_combine_kernel", combine_with_norm)]:
+    tail = ["_decode_tail_kernel"] if fused else ["_down_kernel", "_combine_kernel"]
+    assert names == ["_router_kernel", "_route_kernel"] + ["_layout_kernel"] * (tokens * 8 <= LAYOUT_MAX_PAIRS) + [
+        "_gate_up_kernel"] + tail
+    with_norm = [] if fused else [("_combine_kernel", recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168,
+                                                                        inter, then=True)[-1])]
+    for name, launch in [*zip(names, launches), *with_norm]:
         compiled = compile_for_sm90(*launch)
         if name in ("_gate_up_kernel", "_down_kernel"):
             assert "cp.async" in compiled.asm["ptx"]
         assert compiled.metadata.shared <= H200_SHARED_MEMORY
 
-
-@pytest.mark.parametrize("dtype,experts,inter", [(torch.bfloat16, 64, 256), (torch.bfloat16, 256, 2048),
-                                                 (torch.float16, 64, 256)],
-                         ids=["bf16-rank-slice", "bf16-whole-expert", "fp16"])
-def test_one_token_tail_compiles_for_sm90(monkeypatch, dtype, experts, inter):
-    """Without a GPU: one token's tail (moe_kernels.one_token_tail, MoE's path at one 16-bit
-    token), at the rank slice's I = 256 and a whole expert's 2048 (K loops of 256), compiles for
-    H200 within a block's shared memory."""
-    pytest.importorskip("triton.backends.nvidia")
-    from specdec.models import moe_kernels
-
-    launches = []
-    monkeypatch.setattr(moe_kernels, "_one_token_tail_kernel",
-                        Recorder(moe_kernels._one_token_tail_kernel, launches))
-    ids = torch.randint(0, experts, (1, 8), generator=torch.Generator().manual_seed(0))
-    blocks = moe_kernels.single_token_blocks(ids, experts, 16)
-    down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, 7168, inter)
-    moe_kernels.one_token_tail(torch.empty(8 * 16, inter, dtype=dtype), down, blocks, torch.rand(1, 8),
-                               torch.empty(14, 1, 2 * inter), torch.empty(7168, inter, dtype=dtype))
-    (launch,) = launches
-    assert compile_for_sm90(*launch).metadata.shared <= H200_SHARED_MEMORY

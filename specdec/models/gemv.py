@@ -3,8 +3,7 @@ weight tile @ x tile^T (a wgmma at 64 weight rows). Its epilogues: silu(gate) * 
 gate/up GEMM (linear_silu), so down is a plain GEMV; the head's per-program argmax and softmax sums
 (triton_linear_argmax), so a greedy token is one small reduce; a per-token table row added
 (linear_add_rows); or fp32 partial sums over parts of K for a weight of few rows (linear_parts,
-summed by the kernel that reads them). silu * up of a few rows' partial sums is folded into the
-loads (silu_linear_partials: the MoE shared expert).
+summed by the kernel that reads them).
 
 Why our own kernel: cuBLAS runs GEMMs of a few rows at about half the read bandwidth. Larger and
 fp32 GEMMs go to cuBLAS (fp32: tensor cores would round it to tf32); CPU and autograd take the
@@ -22,7 +21,6 @@ from specdec.models import ops
 from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
 GEMV_MAX_ROWS = 32  # decode GEMMs of at most this many rows stream the weight once in the GEMV
-FOLD_MAX_ROWS = 4  # silu_linear folds silu * up into the GEMV's loads up to this many rows (past them its own kernel)
 
 
 def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -66,7 +64,7 @@ def k_parts(n: int, k: int, sms: int = 132) -> int:
 def triton_linear_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """linear_parts' GEMV (any device Triton runs on, its interpreter included): ``[parts, M, N]``
     fp32, in 64-row tiles of 128-column K steps."""
-    return _launch(x, weight, False, (64, 128, 4, 6), None, parts=parts)
+    return _launch(x, weight, (64, 128, 4, 6), None, parts=parts)
 
 
 def triton_linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, "HeadPick"]:
@@ -74,7 +72,7 @@ def triton_linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.T
     streams, or under the interpreter) and its HeadPick: the argmax and the top-1 softmax of each
     row from the GEMV's per-program parts."""
     pick = HeadPick.empty(x.shape[0], weight.shape[0], x.device)
-    return _launch(x, weight, False, None, torch.float32, pick), pick
+    return _launch(x, weight, None, torch.float32, pick), pick
 
 
 class HeadPick:
@@ -133,7 +131,7 @@ def triton_linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.T
     if table.shape[1] != weight.shape[0] or ids.shape != (x.shape[0],):
         raise ValueError(f"linear_add_rows: table {tuple(table.shape)} and ids {tuple(ids.shape)} for x "
                          f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
-    return _launch(x, weight, False, None, None, rows=(table, ids))
+    return _launch(x, weight, None, None, rows=(table, ids))
 
 
 def linear_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -150,99 +148,57 @@ def triton_linear_silu(x: torch.Tensor, gate_up: torch.Tensor,
                        config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
     """linear_silu's GEMV: x of unit-stride rows, a contiguous ``[2I, K]`` weight; ``config`` as
     gemv_config gives it for the weight."""
-    return _launch(x, gate_up, False, config, None, glu=True)
+    return _launch(x, gate_up, config, None, glu=True)
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(ops.silu_mul(gate_up), weight): gate_up ``[M, 2I]`` (gate ++ up), weight ``[N, I]``
-    -> ``[M, N]``; silu * up computed as the GEMV loads it where the GEMV serves and M <=
-    FOLD_MAX_ROWS (the fold's work repeats in every program: past 4 rows its own kernel is faster)."""
-    if streams(gate_up, weight) and gate_up.shape[0] <= FOLD_MAX_ROWS:
-        return triton_silu_linear(gate_up, weight)
-    return linear(ops.silu_mul(gate_up), weight)
-
-
-def silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_linear of a gate/up GEMM's output given as partial sums: partials ``[S, M, 2I]`` fp32
-    (unit stride in 2I: moe_kernels.router_logits' extra columns), weight ``[N, I]`` 16-bit ->
-    ``[M, N]`` in weight's dtype. gate_up is the S partials summed in order in fp32, rounded to
-    weight's dtype as linear's output is; the GEMV sums them as it loads its input where it serves.
-    E.g. the rank slice's shared expert: ``[14, 1, 512]`` and ``[7168, 256]`` -> ``[1, 7168]``."""
-    if (on_triton(partials, weight) and partials.dim() == 3 and partials.dtype == torch.float32
-            and partials.shape[1] <= FOLD_MAX_ROWS and partials.stride(2) == 1 and weight.is_contiguous()
-            and weight.dtype in (torch.bfloat16, torch.float16)):
-        return triton_silu_linear_partials(partials, weight)
-    return silu_linear(ops.summed_in_order(partials).to(weight.dtype), weight)
-
-
-def gemv_config(n: int, k: int, sms: int = 132, silu: bool = False) -> tuple[int, int, int, int]:
+def gemv_config(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight ``[n, k]`` on ``sms`` multiprocessors.
 
     The weight streams at the bandwidth only with every SM reading: the narrowest tile of 16-32 rows
     whose programs fit one wave, e.g. qkv_a ``[2112, 7168]``: 132 programs of 16 rows, not 33 of 64.
     Else 64 rows (a wgmma), K tiles of 128 in 6 stages, or 4 where two programs must share an SM
-    (more programs than SMs: the head). silu: K tiles of at most 256 (the fold's registers).
+    (more programs than SMs: the head).
     """
     block_n = next((b for b in (16, 32) if -(-n // b) <= sms), 64)
     fit = 1 << max(4, (k - 1).bit_length())  # no K tile past the weight's next power of two
-    if silu or block_n < 64:
-        return block_n, min(fit, 256 if silu or block_n == 32 else 512), 4, 4
+    if block_n < 64:
+        return block_n, min(fit, 256 if block_n == 32 else 512), 4, 4
     return 64, min(fit, 128), 4, (6 if -(-n // 64) <= sms else 4)
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, config: Optional[tuple[int, int, int, int]] = None,
                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """linear's GEMV: rows of unit stride, a contiguous weight; ``config`` as gemv_config gives it."""
-    return _launch(x, weight, False, config, out_dtype)
+    return _launch(x, weight, config, out_dtype)
 
 
-def triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                       config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-    """silu_linear's GEMV: gate_up of unit-stride rows."""
-    return _launch(gate_up, weight, True, config, None)
-
-
-def triton_silu_linear_partials(partials: torch.Tensor, weight: torch.Tensor,
-                                config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-    """silu_linear_partials' GEMV: fp32 partials ``[S, M, 2I]`` of unit stride in 2I."""
-    if partials.dim() != 3 or partials.dtype != torch.float32:
-        raise ValueError(f"silu_linear_partials: partials {tuple(partials.shape)} {partials.dtype}: expected fp32 "
-                         "[S, M, 2I]")
-    return _launch(partials, weight, True, config, weight.dtype)
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, config, out_dtype,
+def _launch(x: torch.Tensor, weight: torch.Tensor, config, out_dtype,
             pick: Optional[HeadPick] = None, rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
             parts: int = 1, glu: bool = False) -> torch.Tensor:
-    """x ``[M, K]`` (``[M, 2K]`` for silu), or for silu ``[S, M, 2K]`` partial sums of it; pick:
-    the HeadPick whose parts the programs write (gemv_config's tiles); rows: (table, ids) whose
+    """x ``[M, K]``; pick: the HeadPick whose parts the programs write (gemv_config's tiles);
+    rows: (table, ids) whose
     rows the output adds before its rounding (linear_add_rows); parts > 1: the output is
     ``[parts, M, N]`` fp32, the sums over K's parts of config's K tiles (linear_parts); glu: the
     output is silu(gate) * up ``[M, N / 2]`` of the weight's halves (linear_silu)."""
-    splits = x.shape[0] if x.dim() == 3 else 1
-    m = x.shape[-2]
+    m = x.shape[0]
     n, k = weight.shape
-    if x.shape[-1] != (2 * k if silu else k) or (x.dim() == 3 and not silu):
+    if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"linear: the input is {tuple(x.shape)}, the weight {tuple(weight.shape)}")
     if glu and n % 2:
         raise ValueError(f"linear_silu: the weight {tuple(weight.shape)} must be [2I, K], gate then up")
     shape = (parts, m, n) if parts > 1 else (m, n // 2 if glu else n)
     out = x.new_empty(shape, dtype=torch.float32 if parts > 1 else out_dtype or x.dtype)
     if m:
-        block_n, block_k, warps, stages = config or gemv_config(n, k, _multiprocessors(x.device), silu)
+        block_n, block_k, warps, stages = config or gemv_config(n, k, _multiprocessors(x.device))
         k_part = triton.cdiv(triton.cdiv(k, parts), block_k) * block_k
-        if splits > 1:  # S partial tiles a K step would not fit shared memory as a pipeline's stages
-            stages = 1
-        block_m = 16 if silu or m <= 16 else 32  # the fold: 16-row blocks (silu_linear folds few rows)
+        block_m = 16 if m <= 16 else 32
         grid = (triton.cdiv(n // 2 if glu else n, block_n // 2 if glu else block_n), triton.cdiv(m, block_m), parts)
         if pick is not None and pick.keys.shape[1] != grid[0]:
             raise ValueError(f"triton_linear_argmax: {grid[0]} programs for {pick.keys.shape[1]} parts")
         table, ids = rows if rows is not None else (out, out)
         _gemv_kernel[grid](x, weight, out, pick.keys if pick else out, pick.sums if pick else out, table, ids, m, n, k,
-                           k_part, x.stride(-2), x.stride(0) if splits > 1 else 0, table.stride(0), table.shape[0],
-                           SILU=silu, SPLITS=splits, ROUND_IN=x.dtype != weight.dtype,
+                           k_part, x.stride(0), table.stride(0), table.shape[0],
                            ROUND_OUT=parts == 1 and out.dtype != weight.dtype,
-                           ROWS=min(block_m, 1 << (m - 1).bit_length()) if silu else 1,
                            ONE_BLOCK=m if m <= block_m else 0, PICK=pick is not None, ADD_ROWS=rows is not None,
                            GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                            num_stages=stages)
@@ -286,9 +242,8 @@ def _pick_kernel(keys_ptr, sums_ptr, ids_ptr, probs_ptr, P, PROBS: tl.constexpr,
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, table_ptr, ids_ptr, M, N, K, K_PART, stride_xm, stride_xs,
-                 stride_table, TABLE_ROWS, SILU: tl.constexpr, SPLITS: tl.constexpr, ROUND_IN: tl.constexpr,
-                 ROUND_OUT: tl.constexpr, ROWS: tl.constexpr, ONE_BLOCK: tl.constexpr, PICK: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, table_ptr, ids_ptr, M, N, K, K_PART, stride_xm,
+                 stride_table, TABLE_ROWS, ROUND_OUT: tl.constexpr, ONE_BLOCK: tl.constexpr, PICK: tl.constexpr,
                  ADD_ROWS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """One program: BLOCK_N weight rows against BLOCK_M rows of x, over K_PART columns of K, the
@@ -296,11 +251,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, table_ptr, ids_ptr, 
     program_id(2) of out ``[parts, M, N]``, no epilogue). The weight tile streams through once, the
     few x rows come from L2. The product is weight tile @ x tile^T (``[BLOCK_N, BLOCK_M]``): at 64
     weight rows a wgmma whose operands the pipeline's copies leave in shared memory.
-    - SILU: x is silu(gate) * up of the ``[M, 2K]`` input, computed on ROWS rows (a power of two
-      >= the block's rows) and repeated to BLOCK_M; the input is the sum of SPLITS partials
-      ``stride_xs`` apart, rounded to the weight's dtype where ROUND_IN. Its product is x tile @
-      weight tile^T, x from registers (as a wgmma's B operand it would go through shared memory
-      each K step: 1.8x slower at one row).
     - GLU: the weight is ``[gate; up]`` (N = 2I rows) and the output silu(gate) * up ``[M, I]``:
       a program's tile is BLOCK_N / 2 gate rows and the same up rows, paired in its epilogue.
     - ROUND_OUT: the fp32 output rounded to the weight's dtype, then widened (fp32 logits).
@@ -324,29 +274,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, keys_ptr, sums_ptr, table_ptr, ids_ptr, 
         M = ONE_BLOCK
     rm = row0 + tl.arange(0, BLOCK_M)
     dtype = w_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N] if SILU else [BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(2) * K_PART
     for k0 in range(0, K_PART, BLOCK_K):
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rw[:, None] * K + rk[None, :], mask=w_in[:, None] & (rk < K)[None, :], other=0.0)
-        if SILU:
-            rs = row0 + tl.arange(0, ROWS)
-            mask = (rs < M)[:, None] & (rk < K)[None, :]
-            rows = x_ptr + rs[:, None] * stride_xm + rk[None, :]
-            gate = ops.summed(rows, stride_xs, mask, SPLITS)
-            up = ops.summed(rows + K, stride_xs, mask, SPLITS)
-            if ROUND_IN:
-                gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)
-            xs = ops.silu_times(gate, up, dtype)
-            x = tl.reshape(tl.broadcast_to(xs[None, :, :], [BLOCK_M // ROWS, ROWS, BLOCK_K]), [BLOCK_M, BLOCK_K])
-            x = tl.where((tl.arange(0, BLOCK_M) < ROWS)[:, None], x, tl.zeros_like(x))  # the copies past ROWS: 0
-            acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
-                        other=0.0)
-            acc = tl.dot(w, tl.trans(x), acc)
-    if SILU:
-        acc = tl.trans(acc)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :],
+                    other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
     rows_in = (rm < M)[None, :]
     if GLU:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2, BLOCK_M]), (1, 2, 0)))

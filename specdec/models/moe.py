@@ -4,11 +4,11 @@ A routed expert runs only on the tokens that chose it: the (token, expert) pairs
 per-expert blocks on the device (specdec/models/moe_kernels.py) and the experts run as one grouped
 GEMM over those blocks.
 
-A bf16 decode MoE layer's Triton path launches 7 kernels: the router's GEMM, with the shared
-expert's gate/up in it, and its choice, the layout, the grouped GEMM's two, the shared expert's
-down GEMV and the combine (with the next norm). One token's, 4 and the next norm's: the router's
-two, the gate/up GEMM, and one kernel for the down GEMMs, the shared down and their sum
-(moe_kernels.one_token_tail), where a combine at one token would run on one SM.
+A bf16 decode MoE layer's Triton path launches 5 kernels (4 for one token) and the next norm's:
+the router's GEMM, with the shared expert's gate/up in it, and its choice, the layout (none for
+one token), the grouped gate/up GEMM, and one kernel for the down GEMMs, the shared down and their
+sum (moe_kernels.decode_tail). Past SHARED_IN_ROUTER_ROWS tokens the shared expert runs on its
+own and a combine kernel (with the next norm) sums the down GEMM's pairs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models import gemv, moe_kernels, ops
+from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
@@ -153,15 +153,14 @@ class MoE(CheckpointViews, nn.Module):
             out = routed.to(x.dtype) + self.shared_experts(x)
             return out if then is None else then(out)
         blocks = layout_for(ids, triton_sort_into_blocks)(ids, num_experts, tiles.block_m)
-        if fused and x.shape[0] == 1:  # one token: its down products, the shared down and their sum in one kernel
+        if fused:  # the down products, the shared down and their sum in one kernel
             h = moe_kernels.grouped_gate_up(x.contiguous(), self.experts_gate_up, blocks, tiles)
-            out = moe_kernels.one_token_tail(h, self.experts_down, blocks, weights, shared_gate_up,
-                                             self.shared_experts.down_proj.weight)
+            out = moe_kernels.decode_tail(h, self.experts_down, blocks, weights, shared_gate_up,
+                                          self.shared_experts.down_proj.weight)
             return out if then is None else then(out)
         per_pair = moe_kernels.grouped_experts(x.contiguous(), self.experts_gate_up, self.experts_down, weights,
                                                blocks, tiles)
-        shared = (gemv.silu_linear_partials(shared_gate_up, self.shared_experts.down_proj.weight) if fused
-                  else self.shared_experts(x))
+        shared = self.shared_experts(x)
         per_pair = per_pair.view(*ids.shape, hidden)
         if then is not None and not combine_takes(then, shared):  # e.g. a norm weight of another dtype
             return then(triton_combine(per_pair, shared))
@@ -179,7 +178,7 @@ SHARED_IN_ROUTER_ROWS = 4  # the most tokens whose shared gate/up rides in the r
 
 def shared_in_router(tokens: int, dtype: torch.dtype, shared_rows: int, sms: int = 132) -> bool:
     """Whether MoE multiplies the shared expert's gate/up (``shared_rows`` = 2I rows) in the
-    router's kernel, its down GEMV summing the partials (gemv.silu_linear_partials): 16-bit, a
+    router's kernel, its down projection summing the partials (moe_kernels.decode_tail): 16-bit, a
     decode step of at most SHARED_IN_ROUTER_ROWS tokens (each down program reads S x 2I fp32 a
     token), and too few rows for the GEMV's 16-row tiles to fill the SMs. The rank slice's
     (2I = 512): 32 GEMV programs on 132 SMs; in the router's launch 32 x 14 (S = 14 at D = 7168)."""

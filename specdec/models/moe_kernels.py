@@ -10,8 +10,8 @@ small ops: :func:`router_logits` (the router's GEMM in partial sums over D, from
 the shared expert's gate/up too), :func:`triton_route` (a program per token sums them and picks its
 experts), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM kernels of
 :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in order, plus
-the shared expert's; given the next norm, that too); one token's kernel 2, shared down GEMV and combine
-are one launch (:func:`one_token_tail`). Kernel 1 gathers a block's token rows of x and
+the shared expert's; given the next norm, that too); where the shared expert's gate/up rides in the
+router's launch, kernel 2, the shared down GEMV and the combine are one launch (:func:`decode_tail`). Kernel 1 gathers a block's token rows of x and
 multiplies them by its expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row
 per block row); kernel 2 multiplies h by the expert's down projection, scales by the routing weight
 and writes each pair's output at row p of ``[P, D]`` fp32, so the sum over a token's k pairs has a
@@ -453,76 +453,83 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-TAIL_BLOCK_N = 8  # D columns a one_token_tail program writes (896 programs at D = 7168: a sweep's best)
+TAIL_BLOCK_N = 8  # D columns a decode_tail program writes (896 programs a token at D = 7168: a sweep's best)
 
 
-def one_token_tail(h: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, weights: torch.Tensor,
-                   shared_partials: torch.Tensor, shared_down: torch.Tensor) -> torch.Tensor:
-    """One token's MoE output after kernel 1, in one kernel: its k pairs' down products, each
-    scaled by its routing weight and summed in order in fp32, rounded to h's dtype, plus the shared
-    expert's down projection of silu(gate) * up from the gate/up partial sums, rounded again, as
-    triton_combine(grouped_experts(...), gemv.silu_linear_partials(...)) computes them (each down
-    product reduced in another order: the same to fp32 rounding). It replaces those three launches,
-    of which the combine ran on one SM at one token.
+def decode_tail(h: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, weights: torch.Tensor,
+                shared_partials: torch.Tensor, shared_down: torch.Tensor) -> torch.Tensor:
+    """A few tokens' MoE output after kernel 1, in one kernel: each token's k pairs' down products,
+    each scaled by its routing weight and summed in order in fp32, rounded to h's dtype, plus the
+    shared expert's down projection of silu(gate) * up from the gate/up partial sums, rounded again,
+    as triton_combine(grouped_experts(...), gemv.silu_linear_partials(...)) computes them (each down
+    product reduced in another order: the same to fp32 rounding). It replaces those three launches;
+    the combine ran a program a token.
 
-    h ``[rows, I]`` (grouped_gate_up's, 16-bit), down ``[E, D, I]``, blocks a single-token layout
-    (a pair's row blocks.pair_row, its expert blocks.block_expert), weights ``[1, k]`` fp32,
-    shared_partials ``[S, 1, 2I_s]`` fp32 (unit stride in 2I_s), shared_down ``[D, I_s]`` -> ``[1, D]``
-    in h's dtype. E.g. the rank slice: h ``[128, 256]``, down ``[64, 7168, 256]``, partials
+    h ``[rows, I]`` (grouped_gate_up's, 16-bit), down ``[E, D, I]``, blocks the pairs' layout (pair
+    p's row blocks.pair_row[p], its block's expert), weights ``[T, k]`` fp32, shared_partials
+    ``[S, T, 2I_s]`` fp32 (unit stride in 2I_s), shared_down ``[D, I_s]`` -> ``[T, D]`` in h's
+    dtype. E.g. the rank slice at one token: h ``[128, 256]``, down ``[64, 7168, 256]``, partials
     ``[14, 1, 512]``, shared_down ``[7168, 256]``: 896 programs of 8 columns."""
     experts, hidden, inter = down.shape
     splits, tokens, shared_two = shared_partials.shape
-    if (tokens != 1 or blocks.num_pairs != blocks.top_k or weights.shape != (1, blocks.top_k)
+    if (weights.shape != (tokens, blocks.top_k) or blocks.num_pairs != weights.numel()
             or h.shape[1] != inter or tuple(shared_down.shape) != (hidden, shared_two // 2)
-            or shared_partials.dtype != torch.float32 or h.dtype not in (torch.bfloat16, torch.float16)
-            or down.dtype != h.dtype or shared_down.dtype != h.dtype or shared_partials.stride(2) != 1
-            or h.stride(1) != 1 or down.stride(2) != 1 or shared_down.stride(1) != 1):
-        raise ValueError(f"one_token_tail: h {tuple(h.shape)} {h.dtype}, down {tuple(down.shape)} {down.dtype}, "
-                         f"{blocks.num_pairs} pairs of {blocks.top_k}, weights {tuple(weights.shape)}, partials "
-                         f"{tuple(shared_partials.shape)} {shared_partials.dtype}, shared down "
-                         f"{tuple(shared_down.shape)} {shared_down.dtype}: expected one token's 16-bit h [rows, I], "
-                         "down [E, D, I], weights [1, k], fp32 partials [S, 1, 2I_s], shared down [D, I_s], "
-                         "unit stride in the last dims")
-    out = torch.empty(1, hidden, dtype=h.dtype, device=h.device)
-    _one_token_tail_kernel[(triton.cdiv(hidden, TAIL_BLOCK_N),)](
-        h, down, blocks.pair_row, blocks.block_expert, weights.reshape(-1), shared_partials, shared_down, out,
-        hidden, inter, shared_two // 2, h.stride(0), down.stride(0), down.stride(1), shared_partials.stride(0),
-        shared_down.stride(0), TOP_K=blocks.top_k, SPLITS=splits, BLOCK_N=TAIL_BLOCK_N,
-        BLOCK_I=min(256, _pow2(inter)), BLOCK_S=min(256, _pow2(shared_two // 2)), num_warps=4)
+            or shared_partials.dtype != torch.float32 or weights.dtype != torch.float32
+            or h.dtype not in (torch.bfloat16, torch.float16) or down.dtype != h.dtype
+            or shared_down.dtype != h.dtype or shared_partials.stride(2) != 1 or h.stride(1) != 1
+            or down.stride(2) != 1 or shared_down.stride(1) != 1 or not weights.is_contiguous()):
+        raise ValueError(f"decode_tail: h {tuple(h.shape)} {h.dtype}, down {tuple(down.shape)} {down.dtype}, "
+                         f"{blocks.num_pairs} pairs of {blocks.top_k}, weights {tuple(weights.shape)} {weights.dtype}, "
+                         f"partials {tuple(shared_partials.shape)} {shared_partials.dtype}, shared down "
+                         f"{tuple(shared_down.shape)} {shared_down.dtype}: expected 16-bit h [rows, I], down "
+                         "[E, D, I], fp32 weights [T, k] and partials [S, T, 2I_s], shared down [D, I_s], unit "
+                         "stride in the last dims")
+    out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
+    if tokens:
+        _decode_tail_kernel[(triton.cdiv(hidden, TAIL_BLOCK_N), tokens)](
+            h, down, blocks.pair_row, blocks.block_expert, weights, shared_partials, shared_down, out,
+            hidden, inter, shared_two // 2, h.stride(0), down.stride(0), down.stride(1), shared_partials.stride(0),
+            shared_partials.stride(1), shared_down.stride(0), TOP_K=blocks.top_k, BLOCK_M=blocks.block_m,
+            SPLITS=splits, BLOCK_N=TAIL_BLOCK_N, BLOCK_I=min(256, _pow2(inter)),
+            BLOCK_S=min(256, _pow2(shared_two // 2)), num_warps=4)
     return out
 
 
 @_jit
-def _one_token_tail_kernel(h_ptr, down_ptr, pair_row_ptr, expert_ptr, weight_ptr, part_ptr, sdown_ptr, out_ptr,
-                           D, I, I_S, stride_h, stride_de, stride_dn, stride_part, stride_sdown,
-                           TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-                           BLOCK_S: tl.constexpr):
-    """out[n tile] = (sum_j weight_j * (h_j @ down_e(j)[n tile]^T)).to(dtype) + shared[n tile], the
-    products as fp32 sums of elementwise products over K tiles of BLOCK_I (BLOCK_S: the shared's)."""
+def _decode_tail_kernel(h_ptr, down_ptr, pair_row_ptr, expert_ptr, weight_ptr, part_ptr, sdown_ptr, out_ptr,
+                        D, I, I_S, stride_h, stride_de, stride_dn, stride_part, stride_part_t, stride_sdown,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_I: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[t, n tile] = (sum_j weight_tj * (h_tj @ down_e(tj)[n tile]^T)).to(dtype) + shared[t, n
+    tile], token t = program_id(1); the products as fp32 sums of elementwise products over K tiles
+    of BLOCK_I (BLOCK_S: the shared expert's)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.program_id(1)
     n_in = n < D
     dtype = out_ptr.dtype.element_ty
+    parts = part_ptr + t * stride_part_t
     shared = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I_S, BLOCK_S):
         rk = k0 + tl.arange(0, BLOCK_S)
         k_in = rk < I_S
         w = tl.load(sdown_ptr + n[:, None] * stride_sdown + rk[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
-        gate = summed(part_ptr + rk, stride_part, k_in, SPLITS).to(dtype).to(tl.float32)
-        up = summed(part_ptr + I_S + rk, stride_part, k_in, SPLITS).to(dtype).to(tl.float32)
+        gate = summed(parts + rk, stride_part, k_in, SPLITS).to(dtype).to(tl.float32)
+        up = summed(parts + I_S + rk, stride_part, k_in, SPLITS).to(dtype).to(tl.float32)
         shared += tl.sum(w.to(tl.float32) * silu_times(gate, up, dtype).to(tl.float32)[None, :], axis=1)
     routed = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        rows = down_ptr + tl.load(expert_ptr + j).to(tl.int64) * stride_de + n[:, None] * stride_dn
-        h_row = h_ptr + tl.load(pair_row_ptr + j) * stride_h
+        row = tl.load(pair_row_ptr + t * TOP_K + j)
+        rows = down_ptr + tl.load(expert_ptr + row // BLOCK_M).to(tl.int64) * stride_de + n[:, None] * stride_dn
+        h_row = h_ptr + row * stride_h
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_I):
             rk = k0 + tl.arange(0, BLOCK_I)
             k_in = rk < I
             w = tl.load(rows + rk[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * tl.load(h_row + rk, mask=k_in, other=0.0).to(tl.float32)[None, :], axis=1)
-        routed += acc * tl.load(weight_ptr + j)
+        routed += acc * tl.load(weight_ptr + t * TOP_K + j)
     out = routed.to(dtype).to(tl.float32) + shared.to(dtype).to(tl.float32)
-    tl.store(out_ptr + n, out.to(dtype), mask=n_in)
+    tl.store(out_ptr + t * D + n, out.to(dtype), mask=n_in)
 
 
 @_jit
