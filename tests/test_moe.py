@@ -447,7 +447,8 @@ def test_decode_tail_refuses_other_inputs():
                 shared_down=torch.zeros(64, 8, dtype=torch.bfloat16))
     for bad in (dict(shared_partials=torch.zeros(2, 2, 16)), dict(h=good["h"].float()),
                 dict(weights=torch.ones(2, 1)), dict(shared_down=torch.zeros(64, 4, dtype=torch.bfloat16)),
-                dict(shared_partials=torch.zeros(2, 1, 16, dtype=torch.float64)), dict(weights=torch.ones(1, 2).double())):
+                dict(shared_partials=torch.zeros(2, 1, 16, dtype=torch.float64)),
+                dict(weights=torch.ones(1, 2).double())):
         with pytest.raises(ValueError, match="decode_tail"):
             decode_tail(**{**good, **bad})
 

@@ -11,8 +11,8 @@ the shared expert's gate/up too), :func:`triton_route` (a program per token sums
 experts), :func:`triton_sort_into_blocks` (one program lays out every pair), the two GEMM kernels of
 :func:`grouped_experts`, and :func:`triton_combine` (each token's k outputs summed in order, plus
 the shared expert's; given the next norm, that too); where the shared expert's gate/up rides in the
-router's launch, kernel 2, the shared down GEMV and the combine are one launch (:func:`decode_tail`). Kernel 1 gathers a block's token rows of x and
-multiplies them by its expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row
+router's launch, kernel 2, the shared down GEMV and the combine are one launch (:func:`decode_tail`).
+Kernel 1 gathers a block's token rows of x and multiplies them by its expert's gate and up rows, silu(gate) * up in the epilogue, into ``h`` (a row
 per block row); kernel 2 multiplies h by the expert's down projection, scales by the routing weight
 and writes each pair's output at row p of ``[P, D]`` fp32, so the sum over a token's k pairs has a
 fixed order (no atomics: the same inputs give the same bits). The GEMMs' launch grid is
