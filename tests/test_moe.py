@@ -403,8 +403,8 @@ def test_decode_tail_under_triton_interpreter():
     run_interpreted("""
 import torch
 from specdec.models import ops
-from specdec.models.moe_kernels import (decode_tail, grouped_gate_up, router_logits, single_token_blocks,
-                                        sort_into_blocks, tiles_for)
+from specdec.models.moe_kernels import decode_tail, grouped_gate_up, single_token_blocks, sort_into_blocks, tiles_for
+from specdec.models.moe_router import router_logits
 from test_moe import assert_matches, make_moe, reference
 
 cases = ((72, 40, 2, [[5, 1]]), (1100, 300, 8, [[3, 0, 7, 3, 1, 2, 6, 5]]), (72, 40, 2, [[5, 1], [1, 4], [5, 5]]))
@@ -539,8 +539,8 @@ def test_kernels_match_the_torch_path_on_gpu():
     with the next norm the norm kernel's bits; the decode tail within a bf16 step of the three
     launches it replaces (at 1 and 4 tokens)."""
     from specdec.models.moe_kernels import (decode_tail, grouped_experts, grouped_gate_up, single_token_blocks,
-                                            triton_combine, triton_route, triton_sort_into_blocks)
-    from specdec.models.moe_kernels import router_logits as router_gemm
+                                            triton_combine, triton_sort_into_blocks)
+    from specdec.models.moe_router import router_logits as router_gemm, triton_route
 
     gen = torch.Generator().manual_seed(0)
     for experts, groups, kept, top_k, norm in ROUTER_CONFIGS:

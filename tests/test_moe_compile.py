@@ -12,8 +12,8 @@ from specdec.models import moe as moe_module, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.moe_kernels import LAYOUT_MAX_PAIRS, tiles_for
 
-KERNELS = ("_router_kernel", "_route_kernel", "_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel",
-           "_decode_tail_kernel")
+KERNELS = ("_layout_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel", "_decode_tail_kernel")
+ROUTER_KERNELS = ("_router_kernel", "_route_kernel")
 
 
 def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter, then=False):
@@ -21,17 +21,18 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter,
     stand-ins of the inputs (weights broadcast from one row: only shapes, strides and dtypes reach
     the compile); a prefill's layout is the torch ops', no launch. then: the combine with the next
     norm (a decoder layer's at tp 1)."""
-    from specdec.models import moe_kernels
+    from specdec.models import moe_kernels, moe_router
 
     launches = []
-    for name in KERNELS:
-        monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name), launches))
+    for module, names in ((moe_router, ROUTER_KERNELS), (moe_kernels, KERNELS)):
+        for name in names:
+            monkeypatch.setattr(module, name, Recorder(getattr(module, name), launches))
     cfg = DeepseekV3Config(n_routed_experts=experts, n_group=8, topk_group=4, num_experts_per_tok=top_k)
     x = torch.empty(tokens, hidden, dtype=dtype)
     fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
     shared = torch.empty(2 * inter, hidden, dtype=dtype) if fused else None
-    partials = moe_kernels.router_logits(x, torch.empty(experts, hidden, dtype=dtype), shared)
-    moe_kernels.triton_route(partials[..., :experts], torch.empty(experts), cfg)
+    partials = moe_router.router_logits(x, torch.empty(experts, hidden, dtype=dtype), shared)
+    moe_router.triton_route(partials[..., :experts], torch.empty(experts), cfg)
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(0))
     tiles = tiles_for(ids.numel(), experts, hidden, inter, dtype)
     layout = (moe_kernels.triton_sort_into_blocks if ids.numel() <= moe_kernels.LAYOUT_MAX_PAIRS

@@ -1,4 +1,4 @@
-"""The MoE router's kernels (specdec/models/moe_kernels.py): router_logits' partial sums against
+"""The MoE router's kernels (specdec/models/moe_router.py): router_logits' partial sums against
 the fp32 GEMM, and triton_route against moe.route (ids exactly, the tie rule included; weights to
 fp32 rounding), under Triton's interpreter on the CPU. Helpers and GPU checks: tests/test_moe.py.
 """
@@ -17,7 +17,7 @@ def test_router_kernel_under_triton_interpreter():
 import torch
 from specdec.models.config import DeepseekV3Config
 from specdec.models.moe import route
-from specdec.models.moe_kernels import triton_route
+from specdec.models.moe_router import triton_route
 from test_moe import ROUTER_CONFIGS, router_logits
 
 gen = torch.Generator().manual_seed(0)
@@ -50,7 +50,7 @@ def test_router_gemm_under_triton_interpreter():
     run_interpreted("""
 import pytest, torch
 import torch.nn.functional as F
-from specdec.models.moe_kernels import ROUTER_CHUNK, router_logits
+from specdec.models.moe_router import ROUTER_CHUNK, router_logits
 
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):

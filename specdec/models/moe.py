@@ -23,9 +23,9 @@ from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
-from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, combine_takes, router_logits,
-                                        single_token_blocks, sort_into_blocks, tiles_for, triton_combine,
-                                        triton_route, triton_sort_into_blocks)
+from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, combine_takes, single_token_blocks,
+                                        sort_into_blocks, tiles_for, triton_combine, triton_sort_into_blocks)
+from specdec.models.moe_router import router_logits, triton_route
 from specdec.models.packing import CheckpointViews, row_views
 
 
@@ -55,15 +55,15 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, D]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64): :func:`route` of
-        the fp32 logits; on the Triton path the logits' partial sums (moe_kernels.router_logits,
-        no fp32 copy of x or the weight) go to moe_kernels.triton_route."""
+        the fp32 logits; on the Triton path the logits' partial sums (moe_router.router_logits,
+        no fp32 copy of x or the weight) go to moe_router.triton_route."""
         if ops.on_triton(x, self.weight) and x.dtype == self.weight.dtype and x.stride(-1) == 1:
             return triton_route(router_logits(x, self.weight), self.e_score_correction_bias, self.cfg)
         return route(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias, self.cfg)
 
     def route_with(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """forward's Triton path, multiplying ``extra`` ``[X, D]`` (x's dtype) in the router's launch:
-        (weights, ids, x @ extra^T as partial sums ``[S, T, X]`` fp32, moe_kernels.router_logits').
+        (weights, ids, x @ extra^T as partial sums ``[S, T, X]`` fp32, moe_router.router_logits').
         The choice is forward's, bit for bit. For CUDA tensors outside autograd."""
         partials = router_logits(x, self.weight, extra)
         experts = self.weight.shape[0]

@@ -19,8 +19,15 @@ import torch.nn.functional as F
 from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): the kernels' block sizes."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of ``dtype``: exact products for fp32 (the torch
+    path's reference runs), tf32 (unused by 16-bit operands) otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def summed_in_order(partials: torch.Tensor) -> torch.Tensor:
@@ -95,7 +102,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def row_launch(d: int) -> dict:
     """A row-norm program's tile and warps for rows of ``d``: rms_norm's, mtp_input's and the MoE
     combine's alike, so all reduce a row in the same order."""
-    return {"BLOCK": _pow2(d), "num_warps": 8 if d >= 4096 else 4}
+    return {"BLOCK": pow2(d), "num_warps": 8 if d >= 4096 else 4}
 
 
 def _torch_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -254,7 +261,7 @@ def triton_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     inter = width // 2
     out = gate_up.new_empty(rows, inter)
-    block = min(_pow2(inter), 1024)
+    block = min(pow2(inter), 1024)
     if rows:
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
     return out
@@ -318,7 +325,7 @@ def triton_rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
     cos = torch.empty(t, half, dtype=torch.float32, device=positions.device)
     sin = torch.empty_like(cos)
     if t:
-        block = min(64, _pow2(t))
+        block = min(64, pow2(t))
         _rope_cos_sin_kernel[(triton.cdiv(t, block),)](positions, inv_freq, cos, sin, t, positions.stride(0), factor,
                                                        SCALE=factor != 1.0, HALF=half, BLOCK_T=block)
     return cos, sin
@@ -411,7 +418,7 @@ def triton_mla_latents(qkv: torch.Tensor, q_rank: int, q_norm: Optional[torch.Te
         _mla_latents_kernel[(t,)](
             qkv, q, q_norm if q_norm is not None else kv_norm, kv_norm, kv, kv if cache is None else cache[1], cos, sin,
             eps, q_rank, qkv.stride(-2), qkv.stride(0) if parts else 0, kv.stride(0), kv.shape[0],
-            HAS_Q_NORM=q_norm is not None, Q_BLOCK=_pow2(q_rank) if q_norm is not None else 1,
+            HAS_Q_NORM=q_norm is not None, Q_BLOCK=pow2(q_rank) if q_norm is not None else 1,
             TO_SLOTS=cache is not None, SPLITS=qkv.shape[0] if parts else 0, LATENT=512, HALF=32,
             INTERLEAVE=interleave, num_warps=4)
     return q, (kv if cache is None else None)
