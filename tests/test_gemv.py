@@ -69,6 +69,8 @@ def check_add_rows(rand, dtype):
         rows = torch.where((ids < 50)[:, None], table[ids.clamp(max=49)].float(), 0.0)
         torch.testing.assert_close(got, (x.float() @ w.float().T + rows).to(dtype), **TOL)
         assert torch.equal(got[0], gemv.triton_linear(x[:1], w)[0])  # no row added: the plain GEMV's bits
+        strided = torch.stack([ids, torch.zeros_like(ids)], 1)[:, 0]  # ids of stride 2
+        assert torch.equal(gemv.triton_linear_add_rows(x, w, table, strided), got)
 
 
 def check_pick(rand, dtype):

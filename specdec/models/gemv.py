@@ -131,7 +131,7 @@ def triton_linear_add_rows(x: torch.Tensor, weight: torch.Tensor, table: torch.T
     if table.shape[1] != weight.shape[0] or ids.shape != (x.shape[0],):
         raise ValueError(f"linear_add_rows: table {tuple(table.shape)} and ids {tuple(ids.shape)} for x "
                          f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
-    return _launch(x, weight, None, None, rows=(table, ids))
+    return _launch(x, weight, None, None, rows=(table, ids.contiguous()))  # the kernel reads ids at unit stride
 
 
 def linear_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ def gemv_config(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
     (more programs than SMs: the head).
     """
     block_n = next((b for b in (16, 32) if -(-n // b) <= sms), 64)
-    fit = 1 << max(4, (k - 1).bit_length())  # no K tile past the weight's next power of two
+    fit = max(16, ops.pow2(k))  # no K tile past the weight's next power of two
     if block_n < 64:
         return block_n, min(fit, 256 if block_n == 32 else 512), 4, 4
     return 64, min(fit, 128), 4, (6 if -(-n // 64) <= sms else 4)
