@@ -278,6 +278,12 @@ ROUTER_CONFIGS = [  # (experts, groups, groups kept, k, norm_topk_prob)
     (8, 4, 2, 2, True), (16, 2, 2, 8, True), (64, 8, 4, 8, True), (256, 8, 4, 8, True), (24, 3, 2, 3, False)]
 
 
+LAYOUT_CASES = [  # (tokens, k, experts, block_m): P below, at and past a multiple of the kernel's
+    (2, 2, 3, 2), (1, 8, 64, 16), (5, 2, 8, 16), (40, 1, 8, 16), (8, 8, 16, 32),  # chunk and of block_m,
+    (64, 8, 16, 32), (300, 8, 256, 16), (3, 4, 4, 64), (7, 3, 12, 16), (0, 8, 256, 16),  # no pairs,
+    (1000, 8, 256, 16)]  # past LAYOUT_MAX_PAIRS (the kernel takes any P; MoE bounds it for speed)
+
+
 def router_logits(kind: str, tokens: int, experts: int, groups: int, gen: torch.Generator) -> torch.Tensor:
     """``[T, E]`` fp32 logits in multiples of 1/8, so scores tie exactly or differ by far more than
     an ulp: "random"; "zero" (every score ties); "groups" (every group the same logits: all groups
@@ -296,7 +302,8 @@ def test_triton_path_under_triton_interpreter():
     """The whole MoE forward on its Triton path (the CUDA check patched; the torch router, layout
     and grouped GEMM made to fail; at 16-bit decode sizes the shared expert's own forward too, its
     gate/up in the router's kernel) against the per-token reference of the torch router's choice;
-    with the next norm in the combine kernel (ops.AddNorm), equal to the norm's own kernel."""
+    with the next norm (ops.AddNorm; in the combine kernel where the decode tail does not serve),
+    equal to the norm's own kernel on that output."""
     pytest.importorskip("triton")
     run_interpreted("""
 import torch
@@ -330,7 +337,7 @@ for dtype, tokens, hidden, overrides in cases:
         got = moe(x)
         residual = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
         norm = (torch.rand(hidden, generator=torch.Generator().manual_seed(8)) + 0.5).to(dtype)
-        fused = [moe(x, then=ops.AddNorm(r, norm, 1e-6)) for r in (residual, None)]  # in the combine kernel
+        fused = [moe(x, then=ops.AddNorm(r, norm, 1e-6)) for r in (residual, None)]  # the combine's, or the tail's
         unfused = [ops.rms_norm(got, norm, 1e-6, r) for r in (residual, None)]  # its own kernel
         (ops.on_triton, gemv.on_triton, moe_module.route, moe_module.sort_into_blocks,
          moe_module.grouped_experts_torch, ops.summed_in_order) = saved

@@ -19,8 +19,8 @@ ROUTER_KERNELS = ("_router_kernel", "_route_kernel")
 def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter, then=False):
     """The (kernel, args, constexprs and options) that MoE.forward's Triton path launches, for CPU
     stand-ins of the inputs (weights broadcast from one row: only shapes, strides and dtypes reach
-    the compile); a prefill's layout is the torch ops', no launch. then: the combine with the next
-    norm (a decoder layer's at tp 1)."""
+    the compile); the layout as moe.layout_for chooses it (one token's and a prefill's launch
+    nothing). then: the combine with the next norm (a decoder layer's at tp 1)."""
     from specdec.models import moe_kernels, moe_router
 
     launches = []
@@ -35,8 +35,7 @@ def recorded_launches(monkeypatch, dtype, tokens, top_k, experts, hidden, inter,
     moe_router.triton_route(partials[..., :experts], torch.empty(experts), cfg)
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(0))
     tiles = tiles_for(ids.numel(), experts, hidden, inter, dtype)
-    layout = (moe_kernels.triton_sort_into_blocks if ids.numel() <= moe_kernels.LAYOUT_MAX_PAIRS
-              else moe_kernels.sort_into_blocks)
+    layout = moe_module.layout_for(ids, moe_kernels.triton_sort_into_blocks)  # forward's choice
     gate_up = torch.empty(1, 1, hidden, dtype=dtype).expand(experts, 2 * inter, hidden)
     down = torch.empty(1, 1, inter, dtype=dtype).expand(experts, hidden, inter)
     blocks = layout(ids, experts, tiles.block_m)
@@ -66,7 +65,7 @@ def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
     fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
     names = [kernel.fn.__name__ for kernel, _, _ in launches]
     tail = ["_decode_tail_kernel"] if fused else ["_down_kernel", "_combine_kernel"]
-    assert names == ["_router_kernel", "_route_kernel"] + ["_layout_kernel"] * (tokens * 8 <= LAYOUT_MAX_PAIRS) + [
+    assert names == ["_router_kernel", "_route_kernel"] + ["_layout_kernel"] * (1 < tokens and tokens * 8 <= LAYOUT_MAX_PAIRS) + [
         "_gate_up_kernel"] + tail
     with_norm = [] if fused else [("_combine_kernel", recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168,
                                                                         inter, then=True)[-1])]

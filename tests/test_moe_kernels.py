@@ -12,19 +12,13 @@ import torch
 from interpreted import run_interpreted
 
 
-LAYOUT_CASES = [  # (tokens, k, experts, block_m): P below, at and past a multiple of the kernel's
-    (2, 2, 3, 2), (1, 8, 64, 16), (5, 2, 8, 16), (40, 1, 8, 16), (8, 8, 16, 32),  # chunk and of block_m,
-    (64, 8, 16, 32), (300, 8, 256, 16), (3, 4, 4, 64), (7, 3, 12, 16), (0, 8, 256, 16),  # no pairs,
-    (1000, 8, 256, 16)]  # past LAYOUT_MAX_PAIRS (the kernel takes any P; MoE bounds it for speed)
-
-
 def test_layout_kernel_under_triton_interpreter():
     """triton_sort_into_blocks equals sort_into_blocks tensor for tensor."""
     pytest.importorskip("triton")
     run_interpreted("""
 import torch
 from specdec.models.moe_kernels import sort_into_blocks, triton_sort_into_blocks
-from test_moe_kernels import LAYOUT_CASES
+from test_moe import LAYOUT_CASES
 
 gen = torch.Generator().manual_seed(0)
 for tokens, top_k, experts, block_m in LAYOUT_CASES:
@@ -158,17 +152,66 @@ print("ok")
 """)
 
 
-def test_decode_tail_refuses_other_inputs():
-    """Not 16-bit h, fp32 weights [T, k] and fp32 partials [S, T, 2I_s] of one T: refused, no launch."""
+def test_decode_tail_refuses_other_inputs(monkeypatch):
+    """decode_tail launches for consistent inputs and refuses, before any launch, h not 16-bit or of
+    other rows than the layout's, a layout for other experts, weights other than fp32 [T, k],
+    partials other than fp32 [S, T, 2I_s] of one T and an even width, a shared down of another I_s."""
+    from sm90_compile import Recorder
+    from specdec.models import moe_kernels
     from specdec.models.moe_kernels import decode_tail, single_token_blocks
 
+    launches = []
+    monkeypatch.setattr(moe_kernels, "_decode_tail_kernel", Recorder(moe_kernels._decode_tail_kernel, launches))
     blocks = single_token_blocks(torch.tensor([[1, 2]]), 4, 16)
     good = dict(h=torch.zeros(32, 8, dtype=torch.bfloat16), down=torch.zeros(4, 64, 8, dtype=torch.bfloat16),
                 blocks=blocks, weights=torch.ones(1, 2), shared_partials=torch.zeros(2, 1, 16),
                 shared_down=torch.zeros(64, 8, dtype=torch.bfloat16))
+    decode_tail(**good)
+    assert len(launches) == 1
     for bad in (dict(shared_partials=torch.zeros(2, 2, 16)), dict(h=good["h"].float()),
+                dict(h=torch.zeros(16, 8, dtype=torch.bfloat16)),
+                dict(blocks=single_token_blocks(torch.tensor([[1, 2]]), 8, 16)),
                 dict(weights=torch.ones(2, 1)), dict(shared_down=torch.zeros(64, 4, dtype=torch.bfloat16)),
+                dict(shared_partials=torch.zeros(2, 1, 17)),
                 dict(shared_partials=torch.zeros(2, 1, 16, dtype=torch.float64)),
                 dict(weights=torch.ones(1, 2).double())):
         with pytest.raises(ValueError, match="decode_tail"):
             decode_tail(**{**good, **bad})
+    assert len(launches) == 1
+
+
+def test_grouped_gemm_refuses_other_inputs(monkeypatch):
+    """grouped_experts and grouped_gate_up launch for consistent inputs and refuse, before any launch,
+    a layout for another number of experts, of other blocks or of other tokens, gate_up of odd rows
+    or another dtype, x of another D, and down or weights of other shapes."""
+    from sm90_compile import Recorder
+    from specdec.models import moe_kernels
+    from specdec.models.moe_kernels import grouped_experts, grouped_gate_up, single_token_blocks, tiles_for
+
+    launches = []
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        monkeypatch.setattr(moe_kernels, name, Recorder(getattr(moe_kernels, name), launches))
+    tiles = tiles_for(2, 4, 64, 8, torch.bfloat16)
+    bf16 = dict(dtype=torch.bfloat16)
+    good = dict(x=torch.zeros(1, 64, **bf16), gate_up=torch.zeros(4, 16, 64, **bf16),
+                down=torch.zeros(4, 64, 8, **bf16), weights=torch.ones(1, 2),
+                blocks=single_token_blocks(torch.tensor([[1, 2]]), 4, tiles.block_m), tiles=tiles)
+    grouped_experts(**good)
+    assert [kernel.fn.__name__ for kernel, _, _ in launches] == ["_gate_up_kernel", "_down_kernel"]
+    bad_layouts = (dict(blocks=single_token_blocks(torch.tensor([[1, 2]]), 8, tiles.block_m)),
+                   dict(blocks=single_token_blocks(torch.tensor([[1, 2]]), 4, 2 * tiles.block_m)),
+                   dict(x=torch.zeros(2, 64, **bf16)),
+                   dict(gate_up=torch.zeros(4, 15, 64, **bf16)), dict(gate_up=torch.zeros(4, 16, 64)),
+                   dict(x=torch.zeros(1, 32, **bf16)))
+    for bad in bad_layouts:
+        for call in (grouped_experts, grouped_gate_up):
+            args = {**good, **bad}
+            if call is grouped_gate_up:
+                args = {k: v for k, v in args.items() if k not in ("down", "weights")}
+            with pytest.raises(ValueError, match="grouped experts"):
+                call(**args)
+    for bad in (dict(down=torch.zeros(4, 64, 4, **bf16)), dict(down=torch.zeros(4, 64, 8)),
+                dict(weights=torch.ones(2, 1))):
+        with pytest.raises(ValueError, match="grouped_experts"):
+            grouped_experts(**{**good, **bad})
+    assert len(launches) == 2

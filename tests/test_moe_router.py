@@ -79,3 +79,21 @@ for extra in (torch.zeros(4, 32), torch.zeros(4, 64).bfloat16(), torch.zeros(64,
         router_logits(torch.zeros(2, 64), torch.zeros(8, 64), extra)
 print("ok")
 """)
+
+
+def test_route_refuses_other_inputs():
+    """triton_route refuses, before any launch, logits other than fp32 of unit stride in E, a bias
+    other than fp32 [E] of unit stride, experts that the groups do not divide (the config refuses a k
+    past the kept groups itself)."""
+    import torch
+    from specdec.models.config import DeepseekV3Config
+    from specdec.models.moe_router import triton_route
+
+    cfg = DeepseekV3Config(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+    logits, bias = torch.zeros(3, 8), torch.zeros(8)
+    for bad_logits, bad_bias, bad_cfg in ((logits.double(), bias, cfg), (torch.zeros(8, 3).t(), bias, cfg),
+                                          (logits, torch.zeros(8, 2)[:, 0], cfg), (logits, bias.half(), cfg),
+                                          (logits, torch.zeros(7), cfg),
+                                          (torch.zeros(3, 6), torch.zeros(6), cfg)):
+        with pytest.raises(ValueError, match="expected fp32 logits"):
+            triton_route(bad_logits, bad_bias, bad_cfg)

@@ -156,3 +156,21 @@ def test_training_takes_the_torch_path_with_gradients():
     out, _ = ops.rms_norm(x, w, 1e-6)
     out.sum().backward()
     assert x.grad is not None and w.grad is not None
+
+
+def test_rms_norm_kernel_only_where_it_computes_torch_rules(monkeypatch):
+    """Where the row kernel would not compute torch's rules (a residual that broadcasts, of another
+    dtype, a weight of another dtype or shape), rms_norm takes the torch path on a Triton device too;
+    its own inputs go to the kernel."""
+    calls = []
+    monkeypatch.setattr(ops, "on_triton", lambda *tensors: True)
+    monkeypatch.setattr(ops, "triton_rms_norm", lambda *args: calls.append(args) or (args[0], args[0]))
+    x, w = torch.randn(3, 8, dtype=torch.bfloat16), torch.rand(8, dtype=torch.bfloat16) + 0.5
+    ops.rms_norm(x, w, 1e-6, torch.randn(3, 8, dtype=torch.bfloat16))
+    assert len(calls) == 1
+    for residual, weight in ((torch.randn(1, 8, dtype=torch.bfloat16), w), (torch.randn(3, 8), w),
+                             (None, w.float()), (None, torch.ones(1, dtype=torch.bfloat16))):
+        out, h = ops.rms_norm(x, weight, 1e-6, residual)
+        want_h = x if residual is None else residual + x
+        assert torch.equal(h, want_h) and torch.equal(out, ops._torch_rms_norm(want_h, weight, 1e-6))
+    assert len(calls) == 1

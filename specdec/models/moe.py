@@ -23,7 +23,7 @@ from specdec.models import moe_kernels, ops
 from specdec.models.config import DeepseekV3Config
 from specdec.models.mlp import MLP
 from specdec.parallel import SINGLE, Parallel
-from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, combine_takes, single_token_blocks,
+from specdec.models.moe_kernels import (LAYOUT_MAX_PAIRS, ExpertBlocks, single_token_blocks,
                                         sort_into_blocks, tiles_for, triton_combine, triton_sort_into_blocks)
 from specdec.models.moe_router import router_logits, triton_route
 from specdec.models.packing import CheckpointViews, row_views
@@ -138,7 +138,8 @@ class MoE(CheckpointViews, nn.Module):
 
     def forward(self, x: torch.Tensor, then: Optional[ops.AddNorm] = None):
         """x ``[T, D]`` -> ``[T, D]``; given ``then``, then(that): (norm, h) ``[T, D]`` each, on the
-        Triton path the combine kernel's (one launch for both) past one token."""
+        Triton path the combine kernel's (one launch for both) where the decode tail does not serve
+        (past SHARED_IN_ROUTER_ROWS tokens, or fp32), else the norm's own kernel after the tail's."""
         fused = self._fuses_shared(x)
         if fused:  # the shared expert's gate/up in the router's launch, its down GEMV summing the partials
             weights, ids, shared_gate_up = self.gate.route_with(x, self.shared_experts.gate_up)
@@ -162,7 +163,7 @@ class MoE(CheckpointViews, nn.Module):
                                                blocks, tiles)
         shared = self.shared_experts(x)
         per_pair = per_pair.view(*ids.shape, hidden)
-        if then is not None and not combine_takes(then, shared):  # e.g. a norm weight of another dtype
+        if then is not None and not ops.norm_kernel_takes(shared, then.weight, then.residual):  # e.g. a norm weight of another dtype
             return then(triton_combine(per_pair, shared))
         return triton_combine(per_pair, shared, then)
 

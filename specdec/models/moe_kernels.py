@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from attn.base import const_arange
-from specdec.models.ops import AddNorm, add_and_norm, dot_precision, norm_weight, pow2, row_launch, silu_times, summed
+from specdec.models.ops import (AddNorm, add_and_norm, dot_precision, norm_kernel_takes, norm_weight, pow2, row_launch,
+                                silu_times, summed)
 from specdec.triton_lang import jit as _jit, tl, triton  # without Triton the torch path in moe.py serves
 
 
@@ -228,7 +229,7 @@ def _layout_kernel(ids_ptr, row_pair_ptr, block_expert_ptr, pair_row_ptr, P, E, 
         real = pair < P  # the chunk's real lanes lead, so padding lanes precede none of them
         expert = tl.load(ids_ptr + pair, mask=real, other=0).to(tl.int32)
         before = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])  # [CHUNK, CHUNK]
-        row = tl.gather(next_row, expert, 0) + tl.sum(before.to(tl.int32), axis=1)  # [0, 2, 3, 4]
+        row = tl.gather(next_row, expert, 0) + tl.sum(before.to(tl.int32), axis=1)  # [2, 0, 3, 4]
         tl.store(row_pair_ptr + row, pair.to(tl.int64), mask=real)
         tl.store(pair_row_ptr + pair, row.to(tl.int64), mask=real)
         next_row += tl.histogram(expert, E_BLOCK, mask=real)
@@ -256,25 +257,19 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     ``[T, k]`` fp32; blocks laid out with ``tiles.block_m``. Runs on any device Triton runs on
     (its interpreter included). fp32 products are IEEE (no TF32), as torch's default matmul.
     """
+    _check_gate_up(x, gate_up, blocks, tiles)
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise TypeError(f"expert weights must be in x's dtype {x.dtype}: gate_up {gate_up.dtype}, down {down.dtype}")
-    tokens = x.shape[0]
-    if (x.dim() != 2 or x.shape[1] != hidden or tuple(down.shape) != (num_experts, hidden, inter)
-            or tuple(weights.shape) != (tokens, blocks.top_k) or blocks.num_pairs != weights.numel()):
-        raise ValueError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, weights "
-                         f"{tuple(weights.shape)}, {blocks.num_pairs} pairs of {blocks.top_k}: expected x [T, D], "
-                         "gate_up [E, 2I, D], down [E, D, I], weights [T, k] and T * k pairs")
-    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
-        raise ValueError("x, gate_up and down must have unit stride in their last dim")
-    if blocks.block_m != tiles.block_m:
-        raise ValueError(f"blocks of {blocks.block_m} rows for tiles of {tiles.block_m}")
+    if (down.dtype != x.dtype or tuple(down.shape) != (num_experts, hidden, inter) or down.stride(-1) != 1
+            or tuple(weights.shape) != (x.shape[0], blocks.top_k)):
+        raise ValueError(f"grouped_experts: down {tuple(down.shape)} {down.dtype}, weights {tuple(weights.shape)} for "
+                         f"x {tuple(x.shape)} {x.dtype} and gate_up {tuple(gate_up.shape)}: expected down [E, D, I] "
+                         "in x's dtype, unit stride in I, and weights [T, k]")
     pairs = blocks.num_pairs
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     if pairs == 0:
         return out
-    h = grouped_gate_up(x, gate_up, blocks, tiles)
+    h = _gate_up(x, gate_up, blocks, tiles)
     _down_kernel[(blocks.num_blocks, triton.cdiv(hidden, tiles.n2))](
         h, down, out, weights.reshape(-1).float(), blocks.row_pair, blocks.block_expert, pairs, num_experts, hidden,
         inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
@@ -287,6 +282,11 @@ def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
     """Kernel 1 of grouped_experts alone: h ``[num_blocks * block_m, I]`` in x's dtype, row r
     silu(gate) * up of the token of its pair through the block's expert (rows of no pair unwritten).
     The shapes as grouped_experts checks them."""
+    _check_gate_up(x, gate_up, blocks, tiles)
+    return _gate_up(x, gate_up, blocks, tiles)
+
+
+def _gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, tiles: Tiles) -> torch.Tensor:
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     h = x.new_empty(blocks.row_pair.numel(), inter)
@@ -299,6 +299,20 @@ def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
     return h
 
 
+def _check_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, tiles: Tiles) -> None:
+    """Kernel 1's inputs: x ``[T, D]`` and gate_up ``[E, 2I, D]`` of one dtype, unit stride in D,
+    blocks of T * k pairs laid out for E experts in blocks of tiles.block_m rows. ValueError else."""
+    shape_ok = x.dim() == 2 and gate_up.dim() == 3 and x.shape[1] == gate_up.shape[2] and gate_up.shape[1] % 2 == 0
+    if (not shape_ok or gate_up.dtype != x.dtype or x.stride(-1) != 1 or gate_up.stride(-1) != 1
+            or blocks.num_experts != gate_up.shape[0] or blocks.num_pairs != x.shape[0] * blocks.top_k
+            or blocks.block_m != tiles.block_m):
+        raise ValueError(f"grouped experts: x {tuple(x.shape)} {x.dtype}, gate_up {tuple(gate_up.shape)} "
+                         f"{gate_up.dtype}, {blocks.num_pairs} pairs of {blocks.top_k} laid out for "
+                         f"{blocks.num_experts} experts in blocks of {blocks.block_m} rows, tiles of {tiles.block_m}: "
+                         "expected x [T, D] and gate_up [E, 2I, D] of one dtype, unit stride in D, T * k pairs "
+                         "laid out for E experts in the tiles' blocks")
+
+
 TAIL_BLOCK_N = 8  # D columns a decode_tail program writes (896 programs a token at D = 7168: a sweep's best)
 
 
@@ -306,10 +320,11 @@ def decode_tail(h: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, weigh
                 shared_partials: torch.Tensor, shared_down: torch.Tensor) -> torch.Tensor:
     """A few tokens' MoE output after kernel 1, in one kernel: each token's k pairs' down products,
     each scaled by its routing weight and summed in order in fp32, rounded to h's dtype, plus the
-    shared expert's down projection of silu(gate) * up from the gate/up partial sums, rounded again,
-    as triton_combine(grouped_experts(...), gemv.silu_linear_partials(...)) computes them (each down
-    product reduced in another order: the same to fp32 rounding). It replaces those three launches;
-    the combine ran a program a token.
+    shared expert's down projection of silu(gate) * up from the gate/up partial sums (each summed in
+    order and rounded to h's dtype), rounded again: as triton_combine(grouped_experts(...), the shared
+    down GEMV of ops.silu_mul of the summed partials) computes them (each down product reduced in
+    another order: the same to fp32 rounding). It replaces those three launches; the combine ran a
+    program a token.
 
     h ``[rows, I]`` (grouped_gate_up's, 16-bit), down ``[E, D, I]``, blocks the pairs' layout (pair
     p's row blocks.pair_row[p], its block's expert), weights ``[T, k]`` fp32, shared_partials
@@ -319,17 +334,19 @@ def decode_tail(h: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, weigh
     experts, hidden, inter = down.shape
     splits, tokens, shared_two = shared_partials.shape
     if (weights.shape != (tokens, blocks.top_k) or blocks.num_pairs != weights.numel()
-            or h.shape[1] != inter or tuple(shared_down.shape) != (hidden, shared_two // 2)
+            or blocks.num_experts != experts or h.shape != (blocks.row_pair.numel(), inter) or shared_two % 2
+            or tuple(shared_down.shape) != (hidden, shared_two // 2)
             or shared_partials.dtype != torch.float32 or weights.dtype != torch.float32
             or h.dtype not in (torch.bfloat16, torch.float16) or down.dtype != h.dtype
             or shared_down.dtype != h.dtype or shared_partials.stride(2) != 1 or h.stride(1) != 1
             or down.stride(2) != 1 or shared_down.stride(1) != 1 or not weights.is_contiguous()):
         raise ValueError(f"decode_tail: h {tuple(h.shape)} {h.dtype}, down {tuple(down.shape)} {down.dtype}, "
-                         f"{blocks.num_pairs} pairs of {blocks.top_k}, weights {tuple(weights.shape)} {weights.dtype}, "
+                         f"{blocks.num_pairs} pairs of {blocks.top_k} in {blocks.row_pair.numel()} rows for "
+                         f"{blocks.num_experts} experts, weights {tuple(weights.shape)} {weights.dtype}, "
                          f"partials {tuple(shared_partials.shape)} {shared_partials.dtype}, shared down "
-                         f"{tuple(shared_down.shape)} {shared_down.dtype}: expected 16-bit h [rows, I], down "
-                         "[E, D, I], fp32 weights [T, k] and partials [S, T, 2I_s], shared down [D, I_s], unit "
-                         "stride in the last dims")
+                         f"{tuple(shared_down.shape)} {shared_down.dtype}: expected 16-bit h [rows, I] (the "
+                         "layout's rows), down [E, D, I] (the layout's E), fp32 weights [T, k] and partials "
+                         "[S, T, 2I_s], shared down [D, I_s], unit stride in the last dims")
     out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     if tokens:
         _decode_tail_kernel[(triton.cdiv(hidden, TAIL_BLOCK_N), tokens)](
@@ -388,7 +405,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, E, D
     expert = tl.load(block_expert_ptr + b)
     if expert >= E:  # a block past those in use: no pairs, and no expert's weights to read
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # h's offsets pass 2^31 in a long prefill
     pair = tl.load(row_pair_ptr + rows)
     real = pair < P
     token = tl.where(real, pair // TOP_K, 0)
@@ -420,7 +437,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, row_pair_ptr, block_expert_p
     expert = tl.load(block_expert_ptr + b)
     if expert >= E:
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # h's offsets pass 2^31 in a long prefill
     pair = tl.load(row_pair_ptr + rows)
     real = pair < P
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -438,15 +455,6 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, row_pair_ptr, block_expert_p
 
 
 # ---------------------------------------------------------------------------- combine
-def combine_takes(then: AddNorm, shared: torch.Tensor) -> bool:
-    """Whether triton_combine computes ``then`` in its launch for this ``shared`` ``[T, D]``: a
-    weight ``[D]`` and a residual ``[T, D]`` (or None), unit stride, shared's dtype."""
-    residual, weight = then.residual, then.weight
-    return (tuple(weight.shape) == (shared.shape[1],) and weight.dtype == shared.dtype and weight.stride(0) == 1
-            and (residual is None or (residual.shape == shared.shape and residual.stride(1) == 1
-                                      and residual.dtype == shared.dtype)))
-
-
 def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor, then: Optional[AddNorm] = None):
     """Each token's routed output plus the shared expert's, by one kernel (any device Triton runs
     on, its interpreter included).
@@ -464,7 +472,7 @@ def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor, then: Optional[
         raise ValueError(f"per_pair {tuple(per_pair.shape)} {per_pair.dtype}, shared {tuple(shared.shape)}: "
                          "expected fp32 [T, k, D] and [T, D], unit stride in D")
     residual = None if then is None else then.residual
-    if then is not None and not combine_takes(then, shared):
+    if then is not None and not norm_kernel_takes(shared, then.weight, then.residual):
         raise ValueError(f"combine's norm: weight {tuple(then.weight.shape)} {then.weight.dtype}, residual "
                          f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: "
                          f"expected [{hidden}] and [{tokens}, {hidden}] of unit stride, {shared.dtype}")

@@ -65,10 +65,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     As transformers computes it: h rounded to x's dtype, its norm in fp32, then times the weight in
     x's dtype. Without a residual h is x itself.
     """
-    if on_triton(x, weight) and x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1):
+    if on_triton(x, weight) and x.dim() == 2 and x.stride(1) == 1 and norm_kernel_takes(x, weight, residual):
         return triton_rms_norm(x, weight, eps, residual)
     h = x if residual is None else residual + x
     return _torch_rms_norm(h, weight, eps), h
+
+
+def norm_kernel_takes(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+    """Whether the row kernels (rms_norm's, the MoE combine's) compute rms_norm(x, weight, eps,
+    residual) for this x ``[T, D]``: a weight ``[D]`` and a residual ``[T, D]`` (or None), unit
+    stride, in x's dtype. Other inputs take torch's broadcasting and promotion, which the kernels
+    do not implement."""
+    return (tuple(weight.shape) == (x.shape[-1],) and weight.dtype == x.dtype and weight.stride(0) == 1
+            and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
+                                      and residual.dtype == x.dtype)))
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,7 @@ def add_and_norm(x, res_ptrs, h_ptrs, out_ptrs, w, mask, D, eps, HAS_RESIDUAL: t
 @_jit
 def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, eps, D, stride_x, stride_res,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets: a long prefill's T * D passes 2^31
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     w = norm_weight(w_ptr + cols, mask)
@@ -269,7 +279,7 @@ def triton_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @_jit
 def _silu_mul_kernel(gu_ptr, out_ptr, INTER, stride_gu, BLOCK: tl.constexpr):
-    row, blk = tl.program_id(0), tl.program_id(1)
+    row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
@@ -432,7 +442,7 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
     """TO_SLOTS: token t's kv row goes to row slots[t] of kv (the cache; a slot outside its
     KV_ROWS rows writes nothing), else to row t. SPLITS: qkv as that many fp32 partial sums
     ``stride_s`` apart (product_values), 0: a 16-bit qkv."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * stride_qkv
     dtype = kv_ptr.dtype.element_ty
     lat = tl.arange(0, LATENT)
@@ -446,7 +456,7 @@ def _mla_latents_kernel(qkv_ptr, q_ptr, qw_ptr, kvw_ptr, kv_ptr, slots_ptr, cos_
         tl.store(q_ptr + t * Q_RANK + cols, _scaled(q_w, normed, q_ptr.dtype.element_ty), mask=mask)
     f = product_values(row + Q_RANK + lat, lat < LATENT, stride_s, SPLITS, dtype)
     normed = f * tl.rsqrt(tl.sum(f * f, axis=0) / LATENT + eps)
-    slot = t.to(tl.int64)
+    slot = t
     if TO_SLOTS:
         slot = tl.load(slots_ptr + t).to(tl.int64)
     inside = (slot >= 0) & (slot < KV_ROWS)
