@@ -65,8 +65,8 @@ def test_kernels_compile_for_sm90(monkeypatch, dtype, tokens, experts, inter):
     fused = moe_module.shared_in_router(tokens, dtype, 2 * inter)
     names = [kernel.fn.__name__ for kernel, _, _ in launches]
     tail = ["_decode_tail_kernel"] if fused else ["_down_kernel", "_combine_kernel"]
-    assert names == ["_router_kernel", "_route_kernel"] + ["_layout_kernel"] * (1 < tokens and tokens * 8 <= LAYOUT_MAX_PAIRS) + [
-        "_gate_up_kernel"] + tail
+    layout = ["_layout_kernel"] * (1 < tokens and tokens * 8 <= LAYOUT_MAX_PAIRS)  # moe.layout_for's
+    assert names == ["_router_kernel", "_route_kernel"] + layout + ["_gate_up_kernel"] + tail
     with_norm = [] if fused else [("_combine_kernel", recorded_launches(monkeypatch, dtype, tokens, 8, experts, 7168,
                                                                         inter, then=True)[-1])]
     for name, launch in [*zip(names, launches), *with_norm]:

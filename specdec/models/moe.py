@@ -163,7 +163,7 @@ class MoE(CheckpointViews, nn.Module):
                                                blocks, tiles)
         shared = self.shared_experts(x)
         per_pair = per_pair.view(*ids.shape, hidden)
-        if then is not None and not ops.norm_kernel_takes(shared, then.weight, then.residual):  # e.g. a norm weight of another dtype
+        if then is not None and not then.kernel_takes(shared):  # e.g. a norm weight of another dtype
             return then(triton_combine(per_pair, shared))
         return triton_combine(per_pair, shared, then)
 

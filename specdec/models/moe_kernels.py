@@ -32,8 +32,7 @@ from typing import Optional
 import torch
 
 from attn.base import const_arange
-from specdec.models.ops import (AddNorm, add_and_norm, dot_precision, norm_kernel_takes, norm_weight, pow2, row_launch,
-                                silu_times, summed)
+from specdec.models.ops import AddNorm, add_and_norm, dot_precision, norm_weight, pow2, row_launch, silu_times, summed
 from specdec.triton_lang import jit as _jit, tl, triton  # without Triton the torch path in moe.py serves
 
 
@@ -472,7 +471,7 @@ def triton_combine(per_pair: torch.Tensor, shared: torch.Tensor, then: Optional[
         raise ValueError(f"per_pair {tuple(per_pair.shape)} {per_pair.dtype}, shared {tuple(shared.shape)}: "
                          "expected fp32 [T, k, D] and [T, D], unit stride in D")
     residual = None if then is None else then.residual
-    if then is not None and not norm_kernel_takes(shared, then.weight, then.residual):
+    if then is not None and not then.kernel_takes(shared):
         raise ValueError(f"combine's norm: weight {tuple(then.weight.shape)} {then.weight.dtype}, residual "
                          f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: "
                          f"expected [{hidden}] and [{tokens}, {hidden}] of unit stride, {shared.dtype}")

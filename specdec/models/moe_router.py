@@ -93,8 +93,8 @@ def triton_route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config
     groups, top_k = cfg.n_group, cfg.num_experts_per_tok
     per_group = experts // groups
     if (logits.dim() not in (2, 3) or logits.dtype != torch.float32 or bias.dtype != torch.float32
-            or tuple(bias.shape) != (experts,) or bias.stride(0) != 1 or partial.stride(2) != 1 or experts % groups or per_group < 2
-            or top_k > cfg.topk_group * per_group):
+            or tuple(bias.shape) != (experts,) or bias.stride(0) != 1 or partial.stride(2) != 1
+            or experts % groups or per_group < 2 or top_k > cfg.topk_group * per_group):
         raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}, bias {tuple(bias.shape)} {bias.dtype}, "
                          f"{groups} groups, {cfg.topk_group} kept, top {top_k}: expected fp32 logits [T, E] or "
                          "[S, T, E] of unit stride in E, an fp32 bias [E] of unit stride, groups of at least 2 "

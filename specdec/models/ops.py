@@ -95,6 +95,10 @@ class AddNorm:
     def __call__(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rms_norm(out, self.weight, self.eps, self.residual)
 
+    def kernel_takes(self, out: torch.Tensor) -> bool:
+        """Whether a row kernel computes self(out) (norm_kernel_takes)."""
+        return norm_kernel_takes(out, self.weight, self.residual)
+
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
