@@ -19,6 +19,26 @@ def tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
+def norm_ref(x, w, eps):  # DeepseekV3RMSNorm's arithmetic, written out
+    f = x.float()
+    return w * (f / torch.sqrt(f.square().sum(-1, keepdim=True) / f.shape[-1] + eps)).to(x.dtype)
+
+
+def rope_ref(x, cos, sin, interleave):  # transformers' rotate_half form; x [T, ..., 64] fp32, cos/sin [T, 32]
+    if interleave:  # pairs (x0, x1), (x2, x3), ... de-interleaved first
+        x = x.unflatten(-1, (32, 2)).transpose(-1, -2).flatten(-2)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (64,)
+    c, s = torch.cat([cos, cos], -1).view(shape), torch.cat([sin, sin], -1).view(shape)
+    return x * c + torch.cat([-x[..., 32:], x[..., :32]], -1) * s
+
+
+def in_order(parts):  # [S, ...] fp32 partial sums, first to last
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True):
     # exact: the residual sum equals torch's bit for bit (the interpreter rounds to bf16 its own way)
     gen = torch.Generator(device).manual_seed(0)
@@ -30,9 +50,9 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
             out, h = ops.triton_rms_norm(x, w, 1e-6, residual)
             ref_h = x if residual is None else residual + x
             torch.testing.assert_close(h, ref_h, **(dict(atol=0, rtol=0) if exact else tol(dtype)))
-            torch.testing.assert_close(out, ops._torch_rms_norm(ref_h, w, 1e-6), **tol(dtype))
+            torch.testing.assert_close(out, norm_ref(ref_h, w, 1e-6), **tol(dtype))
         strided = rand(tokens, 2 * d).to(dtype)[:, ::2]  # not unit stride along rows' elements: the torch path
-        torch.testing.assert_close(ops.rms_norm(strided, w, 1e-6)[0], ops._torch_rms_norm(strided, w, 1e-6))
+        torch.testing.assert_close(ops.rms_norm(strided, w, 1e-6)[0], norm_ref(strided, w, 1e-6), **tol(dtype))
 
         table, hidden = rand(50, d).to(dtype), rand(tokens, d).to(dtype)
         ids = torch.tensor([3, 0, 49, 3, 7][:tokens], device=device).repeat_interleave(2)[::2]  # stride 2
@@ -41,7 +61,7 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
         assert ids.stride(0) == 2
         got = ops.triton_mtp_input(ids, table, hidden, w, hw, 1e-6, 0.5)
         torch.testing.assert_close(got, torch.cat(halves, dim=-1), atol=0, rtol=0)  # each half is rms_norm's kernel
-        ref = torch.cat([ops._torch_rms_norm(table[ids], w, 1e-6), ops._torch_rms_norm(hidden, hw, 0.5)], dim=-1)
+        ref = torch.cat([norm_ref(table[ids], w, 1e-6), norm_ref(hidden, hw, 0.5)], dim=-1)
         torch.testing.assert_close(ops.mtp_input(ids, table, hidden, w, hw, 1e-6, 0.5), ref, **tol(dtype))
         normed, h = ops.triton_embed_norm(ids, table, w, 1e-6)  # rms_norm's kernel over the looked-up rows
         torch.testing.assert_close(h, table[ids], atol=0, rtol=0)
@@ -74,9 +94,9 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                 q_norm = (1 + 0.2 * rand(rank)).to(dtype) if rank else None
                 kv_norm = (1 + 0.2 * rand(512)).to(dtype)
                 got_q, got_kv = ops.triton_mla_latents(qkv, width, q_norm, kv_norm, 1e-6, cos, sin, interleave)
-                ref_q = qkv[:, :width] if q_norm is None else ops._torch_rms_norm(qkv[:, :width], q_norm, 1e-6)
-                ref_kv = torch.cat([ops._torch_rms_norm(qkv[:, width:width + 512], kv_norm, 1e-6),
-                                    ops.apply_rope(qkv[:, -64:].float(), cos, sin, interleave).to(dtype)], dim=-1)
+                ref_q = qkv[:, :width] if q_norm is None else norm_ref(qkv[:, :width], q_norm, 1e-6)
+                ref_kv = torch.cat([norm_ref(qkv[:, width:width + 512], kv_norm, 1e-6),
+                                    rope_ref(qkv[:, -64:].float(), cos, sin, interleave).to(dtype)], dim=-1)
                 torch.testing.assert_close(got_q, ref_q, **tol(dtype))
                 torch.testing.assert_close(got_kv, ref_kv, **tol(dtype))
                 cache = torch.full((9, 576), 7.0, device=device, dtype=dtype)  # the rows of a cache
@@ -95,7 +115,7 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                     # (eighths add exactly: the interpreter rounds fp32 to 16 bits its own way; on a GPU, any values)
                     for parts in [(rand(3, tokens, qkv.shape[1]) * 8).round() / 8] + ([rand(2, tokens, qkv.shape[1])]
                                                                                      if device == "cuda" else []):
-                        summed = ops.summed_in_order(parts).to(dtype)
+                        summed = in_order(parts).to(dtype)
                         for latents in (ops.triton_mla_latents, ops.mla_latents):
                             got = latents(parts, width, q_norm, kv_norm, 1e-6, cos, sin, interleave)
                             want = latents(summed, width, q_norm, kv_norm, 1e-6, cos, sin, interleave)
@@ -112,7 +132,7 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                 rows = torch.arange(t, device=device) % tokens
                 for interleave in (True, False):
                     q_latent = (q[..., :nope].float().transpose(0, 1) @ w_uk.float()).transpose(0, 1)
-                    rope = ops.apply_rope(q[..., nope:].float(), cos[rows], sin[rows], interleave)
+                    rope = rope_ref(q[..., nope:].float(), cos[rows], sin[rows], interleave)
                     ref = torch.cat([q_latent, rope], -1).to(dtype)
                     for query in (ops.triton_mla_query, ops.mla_query):  # the kernel, and what the device takes
                         torch.testing.assert_close(query(q, w_uk, cos[rows], sin[rows], interleave), ref, **tol(dtype))
