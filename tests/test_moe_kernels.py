@@ -1,7 +1,7 @@
 """The routed experts' kernels (specdec/models/moe_kernels.py) under Triton's interpreter on the
 CPU, each against its torch counterpart or tests/test_moe.py's per-token reference: the layout
-kernel, the combine, the grouped GEMM, the decode tail; and the decode tail's refusals. The whole
-Triton path and the GPU runs: tests/test_moe.py.
+kernel, the combine, the grouped GEMM, the decode tail; and the refusals of the layout kernel,
+the decode tail and the grouped GEMM. The whole Triton path and the GPU runs: tests/test_moe.py.
 """
 
 from __future__ import annotations
@@ -34,6 +34,18 @@ for tokens, top_k, experts, block_m in LAYOUT_CASES:
         assert (got.block_m, got.num_experts, got.top_k) == (block_m, experts, top_k)
 print("ok")
 """)
+
+
+def test_layout_kernel_refuses_more_pairs_than_it_sorts():
+    """Past LAYOUT_MAX_PAIRS a clear error before any launch, and MoE lays such ids out by torch."""
+    from specdec.models.moe import layout_for
+    from specdec.models.moe_kernels import LAYOUT_MAX_PAIRS, sort_into_blocks, triton_sort_into_blocks
+
+    ids = torch.zeros(LAYOUT_MAX_PAIRS // 8 + 1, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="lays out at most 4096 pairs"):
+        triton_sort_into_blocks(ids, 64, 16)
+    assert layout_for(ids, triton_sort_into_blocks) is sort_into_blocks
+    assert layout_for(ids[:-1], triton_sort_into_blocks) is triton_sort_into_blocks
 
 
 def test_combine_kernel_under_triton_interpreter():

@@ -179,31 +179,32 @@ def single_token_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     return ExpertBlocks(row_pair, ids.view(-1), pair_row, block_m, num_experts, top_k)
 
 
-LAYOUT_MAX_PAIRS = 4096  # the most pairs MoE lays out by the kernel: 64 chunks, run one after another
-LAYOUT_CHUNK = 64  # pairs the layout kernel places at a time
+LAYOUT_MAX_PAIRS = 4096  # the most pairs the layout kernel sorts, in one program's registers
 
 
 def triton_sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """sort_into_blocks by one kernel of one program (any device Triton runs on, its interpreter
     included): the same ExpertBlocks, tensor for tensor.
 
-    ids ``[T, k]`` int64 in [0, E). A counting sort: count each expert's pairs, lay out its blocks,
-    then place the pairs in order, LAYOUT_CHUNK at a time, each after its expert's pairs before it
-    (the stable order). Its chunks run one after another, so moe.MoE takes it for a decode step's
-    pairs (up to LAYOUT_MAX_PAIRS) and the torch ops for a prefill's, whose GEMMs dwarf them.
+    ids ``[T, k]`` int64 in [0, E), T * k <= LAYOUT_MAX_PAIRS (moe.MoE gives a prefill's pairs to the
+    torch ops, whose GEMMs dwarf them). The pairs sorted at once by (expert, pair) in registers: a
+    pair's row is its expert's first row plus its rank among the expert's pairs.
     """
     top_k = ids.shape[-1]
     flat = ids.reshape(-1)
     pairs, device = flat.numel(), flat.device
     if flat.dtype != torch.int64:
         raise TypeError(f"expert ids must be int64, not {ids.dtype}")
+    if pairs > LAYOUT_MAX_PAIRS:
+        raise ValueError(f"the layout kernel lays out at most {LAYOUT_MAX_PAIRS} pairs, not {pairs} "
+                         f"({tuple(ids.shape)} ids): lay a prefill's out by sort_into_blocks")
     num_blocks = max_blocks(pairs, num_experts, block_m)
     row_pair = torch.empty(num_blocks * block_m, dtype=torch.int64, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int64, device=device)
     pair_row = torch.empty(pairs, dtype=torch.int64, device=device)
     if pairs:
         _layout_kernel[(1,)](flat, row_pair, block_expert, pair_row, pairs, num_experts, num_blocks,
-                             BLOCK_M=block_m, CHUNK=LAYOUT_CHUNK, E_BLOCK=max(32, pow2(num_experts)),
+                             BLOCK_M=block_m, P_BLOCK=max(32, pow2(pairs)), E_BLOCK=max(32, pow2(num_experts)),
                              NB_BLOCK=max(32, pow2(num_blocks)),
                              ROWS_BLOCK=min(1024, max(32, pow2(row_pair.numel()))))
     return ExpertBlocks(row_pair, block_expert, pair_row, block_m, num_experts, top_k)
@@ -211,27 +212,25 @@ def triton_sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -
 
 @_jit
 def _layout_kernel(ids_ptr, row_pair_ptr, block_expert_ptr, pair_row_ptr, P, E, NUM_BLOCKS,
-                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr,
                    ROWS_BLOCK: tl.constexpr):
     """The comments show sort_into_blocks' example: E = 3, block_m = 2, ids [2, 0, 2, 2]."""
-    lane = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
-    for c0 in range(0, P, CHUNK):
-        pair = c0 + lane
-        counts += tl.histogram(tl.load(ids_ptr + pair, mask=pair < P, other=0).to(tl.int32), E_BLOCK, mask=pair < P)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [1, 0, 2]  (counts [1, 0, 3])
+    pair = tl.arange(0, P_BLOCK)
+    real = pair < P
+    expert = tl.load(ids_ptr + pair, mask=real, other=E).to(tl.int32)  # padding lanes sort last
+    counts = tl.histogram(expert, E_BLOCK, mask=real)  # [1, 0, 3]
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [1, 0, 2]
     block_end = tl.cumsum(blocks, 0)  # [1, 1, 3]
     first_row = (block_end - blocks) * BLOCK_M  # [0, 2, 2]
-    next_row = first_row  # each expert's row for its next pair
-    for c0 in range(0, P, CHUNK):
-        pair = c0 + lane
-        real = pair < P  # the chunk's real lanes lead, so padding lanes precede none of them
-        expert = tl.load(ids_ptr + pair, mask=real, other=0).to(tl.int32)
-        before = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])  # [CHUNK, CHUNK]
-        row = tl.gather(next_row, expert, 0) + tl.sum(before.to(tl.int32), axis=1)  # [2, 0, 3, 4]
-        tl.store(row_pair_ptr + row, pair.to(tl.int64), mask=real)
-        tl.store(pair_row_ptr + pair, row.to(tl.int64), mask=real)
-        next_row += tl.histogram(expert, E_BLOCK, mask=real)
+    next_row = first_row + counts  # past each expert's pairs: [1, 2, 5]
+    first_sorted = tl.cumsum(counts, 0) - counts  # each expert's first sorted position: [0, 1, 1]
+    key = tl.sort(expert * P_BLOCK + pair)  # by expert, then pair (the stable order)
+    sorted_expert, sorted_pair = key // P_BLOCK, key % P_BLOCK  # [0, 2, 2, 2], [1, 0, 2, 3]
+    in_use = sorted_expert < E
+    e = tl.minimum(sorted_expert, E_BLOCK - 1)
+    sorted_row = tl.gather(first_row, e, 0) + pair - tl.gather(first_sorted, e, 0)  # [0, 2, 3, 4]
+    tl.store(row_pair_ptr + sorted_row, sorted_pair.to(tl.int64), mask=in_use)
+    tl.store(pair_row_ptr + sorted_pair, sorted_row.to(tl.int64), mask=in_use)
     # A block's expert: how many experts' blocks end at or before it ([0, 2, 2, 3]: block 3 unused).
     experts = tl.arange(0, E_BLOCK)
     block_expert = tl.cumsum(tl.histogram(block_end, NB_BLOCK, mask=(experts < E) & (block_end < NB_BLOCK)), 0)
