@@ -131,13 +131,13 @@ def check_all(device, dtypes, d=7168, q_rank=1536, heads=3, tokens=5, exact=True
                 w_uk, w_uv = (kv_b[:, :nope] / nope ** 0.5), (kv_b[:, nope:] / latent ** 0.5)  # kv_b_proj's rows
                 rows = torch.arange(t, device=device) % tokens
                 for interleave in (True, False):
-                    q_latent = (q[..., :nope].float().transpose(0, 1) @ w_uk.float()).transpose(0, 1)
+                    q_latent = torch.einsum("thn,hnl->thl", q[..., :nope].float(), w_uk.float())  # a head: nope @ W_UK
                     rope = rope_ref(q[..., nope:].float(), cos[rows], sin[rows], interleave)
                     ref = torch.cat([q_latent, rope], -1).to(dtype)
                     for query in (ops.triton_mla_query, ops.mla_query):  # the kernel, and what the device takes
                         torch.testing.assert_close(query(q, w_uk, cos[rows], sin[rows], interleave), ref, **tol(dtype))
                 out = rand(t, heads, latent).to(dtype)
-                ref = (out.float().transpose(0, 1) @ w_uv.float().transpose(1, 2)).transpose(0, 1).flatten(1).to(dtype)
+                ref = torch.einsum("thl,hvl->thv", out.float(), w_uv.float()).flatten(1).to(dtype)  # [T, H * v]
                 for value in (ops.triton_mla_value, ops.mla_value):
                     torch.testing.assert_close(value(out, w_uv), ref, **tol(dtype))
 """
