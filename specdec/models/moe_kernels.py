@@ -222,7 +222,7 @@ def _layout_kernel(ids_ptr, row_pair_ptr, block_expert_ptr, pair_row_ptr, P, E, 
     blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [1, 0, 2]
     block_end = tl.cumsum(blocks, 0)  # [1, 1, 3]
     first_row = (block_end - blocks) * BLOCK_M  # [0, 2, 2]
-    next_row = first_row + counts  # past each expert's pairs: [1, 2, 5]
+    end_row = first_row + counts  # past each expert's pairs: [1, 2, 5]
     first_sorted = tl.cumsum(counts, 0) - counts  # each expert's first sorted position: [0, 1, 1]
     key = tl.sort(expert * P_BLOCK + pair)  # by expert, then pair (the stable order)
     sorted_expert, sorted_pair = key // P_BLOCK, key % P_BLOCK  # [0, 2, 2, 2], [1, 0, 2, 3]
@@ -240,7 +240,7 @@ def _layout_kernel(ids_ptr, row_pair_ptr, block_expert_ptr, pair_row_ptr, P, E, 
     for r0 in range(0, NUM_BLOCKS * BLOCK_M, ROWS_BLOCK):
         row = r0 + tl.arange(0, ROWS_BLOCK)
         row_expert = tl.gather(block_expert, tl.minimum(row // BLOCK_M, NB_BLOCK - 1), 0)
-        end = tl.gather(next_row, tl.minimum(row_expert, E_BLOCK - 1), 0)  # past the expert's pairs: [1, 2, 5]
+        end = tl.gather(end_row, tl.minimum(row_expert, E_BLOCK - 1), 0)  # past the expert's pairs: [1, 2, 5]
         pad = (row < NUM_BLOCKS * BLOCK_M) & ((row_expert >= E) | (row >= end))
         tl.store(row_pair_ptr + row, tl.zeros([ROWS_BLOCK], dtype=tl.int64) + P, mask=pad)
 
