@@ -179,16 +179,19 @@ def single_token_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     return ExpertBlocks(row_pair, ids.view(-1), pair_row, block_m, num_experts, top_k)
 
 
-LAYOUT_MAX_PAIRS = 4096  # the most pairs the layout kernel sorts, in one program's registers
+LAYOUT_MAX_PAIRS = 4096  # the most pairs the layout kernel lays out: each program counts them all
+LAYOUT_CHUNK = 64  # pairs a program of the layout kernel places
 
 
 def triton_sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """sort_into_blocks by one kernel of one program (any device Triton runs on, its interpreter
-    included): the same ExpertBlocks, tensor for tensor.
+    """sort_into_blocks by one kernel (any device Triton runs on, its interpreter included): the
+    same ExpertBlocks, tensor for tensor.
 
     ids ``[T, k]`` int64 in [0, E), T * k <= LAYOUT_MAX_PAIRS (moe.MoE gives a prefill's pairs to the
-    torch ops, whose GEMMs dwarf them). The pairs sorted at once by (expert, pair) in registers: a
-    pair's row is its expert's first row plus its rank among the expert's pairs.
+    torch ops, whose GEMMs dwarf them). A counting sort in one step: a program a LAYOUT_CHUNK of
+    pairs counts every pair's expert (for the blocks) and those of the pairs before its chunk, so
+    each pair's row is its expert's first row plus the expert's pairs before it; no program waits
+    for another.
     """
     top_k = ids.shape[-1]
     flat = ids.reshape(-1)
@@ -203,34 +206,38 @@ def triton_sort_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -
     block_expert = torch.empty(num_blocks, dtype=torch.int64, device=device)
     pair_row = torch.empty(pairs, dtype=torch.int64, device=device)
     if pairs:
-        _layout_kernel[(1,)](flat, row_pair, block_expert, pair_row, pairs, num_experts, num_blocks,
-                             BLOCK_M=block_m, P_BLOCK=max(32, pow2(pairs)), E_BLOCK=max(32, pow2(num_experts)),
-                             NB_BLOCK=max(32, pow2(num_blocks)),
-                             ROWS_BLOCK=min(1024, max(32, pow2(row_pair.numel()))))
+        _layout_kernel[(triton.cdiv(pairs, LAYOUT_CHUNK),)](
+            flat, row_pair, block_expert, pair_row, pairs, num_experts, num_blocks, BLOCK_M=block_m,
+            CHUNK=LAYOUT_CHUNK, P_BLOCK=max(32, pow2(pairs)), E_BLOCK=max(32, pow2(num_experts)),
+            NB_BLOCK=max(32, pow2(num_blocks)), ROWS_BLOCK=min(1024, max(32, pow2(row_pair.numel()))))
     return ExpertBlocks(row_pair, block_expert, pair_row, block_m, num_experts, top_k)
 
 
 @_jit
 def _layout_kernel(ids_ptr, row_pair_ptr, block_expert_ptr, pair_row_ptr, P, E, NUM_BLOCKS,
-                   BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr,
-                   ROWS_BLOCK: tl.constexpr):
-    """The comments show sort_into_blocks' example: E = 3, block_m = 2, ids [2, 0, 2, 2]."""
-    pair = tl.arange(0, P_BLOCK)
-    real = pair < P
-    expert = tl.load(ids_ptr + pair, mask=real, other=E).to(tl.int32)  # padding lanes sort last
-    counts = tl.histogram(expert, E_BLOCK, mask=real)  # [1, 0, 3]
+                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+                   NB_BLOCK: tl.constexpr, ROWS_BLOCK: tl.constexpr):
+    """The comments show sort_into_blocks' example: E = 3, block_m = 2, ids [2, 0, 2, 2], a chunk
+    of 2 pairs (program 1's values)."""
+    c0 = tl.program_id(0) * CHUNK
+    every = tl.arange(0, P_BLOCK)
+    all_experts = tl.load(ids_ptr + every, mask=every < P, other=0).to(tl.int32)
+    counts = tl.histogram(all_experts, E_BLOCK, mask=every < P)  # [1, 0, 3]
+    earlier = tl.histogram(all_experts, E_BLOCK, mask=every < c0)  # the pairs before the chunk: [1, 0, 1]
     blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [1, 0, 2]
     block_end = tl.cumsum(blocks, 0)  # [1, 1, 3]
     first_row = (block_end - blocks) * BLOCK_M  # [0, 2, 2]
+    lane = tl.arange(0, CHUNK)
+    pair = c0 + lane
+    real = pair < P  # the chunk's real lanes lead, so padding lanes precede none of them
+    expert = tl.load(ids_ptr + pair, mask=real, other=0).to(tl.int32)  # [2, 2]
+    before = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])  # [CHUNK, CHUNK]
+    pair_rows = tl.gather(first_row + earlier, expert, 0) + tl.sum(before.to(tl.int32), axis=1)  # [3, 4]
+    tl.store(row_pair_ptr + pair_rows, pair.to(tl.int64), mask=real)
+    tl.store(pair_row_ptr + pair, pair_rows.to(tl.int64), mask=real)
+    if tl.program_id(0) != 0:  # program 0 writes the blocks' experts and the padding rows
+        return
     end_row = first_row + counts  # past each expert's pairs: [1, 2, 5]
-    first_sorted = tl.cumsum(counts, 0) - counts  # each expert's first sorted position: [0, 1, 1]
-    key = tl.sort(expert * P_BLOCK + pair)  # by expert, then pair (the stable order)
-    sorted_expert, sorted_pair = key // P_BLOCK, key % P_BLOCK  # [0, 2, 2, 2], [1, 0, 2, 3]
-    in_use = sorted_expert < E
-    e = tl.minimum(sorted_expert, E_BLOCK - 1)
-    sorted_row = tl.gather(first_row, e, 0) + pair - tl.gather(first_sorted, e, 0)  # [0, 2, 3, 4]
-    tl.store(row_pair_ptr + sorted_row, sorted_pair.to(tl.int64), mask=in_use)
-    tl.store(pair_row_ptr + sorted_pair, sorted_row.to(tl.int64), mask=in_use)
     # A block's expert: how many experts' blocks end at or before it ([0, 2, 2, 3]: block 3 unused).
     experts = tl.arange(0, E_BLOCK)
     block_expert = tl.cumsum(tl.histogram(block_end, NB_BLOCK, mask=(experts < E) & (block_end < NB_BLOCK)), 0)
@@ -347,7 +354,7 @@ def decode_tail(h: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks, weigh
                          "[S, T, 2I_s], shared down [D, I_s], unit stride in the last dims")
     out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     if tokens:
-        _decode_tail_kernel[(triton.cdiv(hidden, TAIL_BLOCK_N), tokens)](
+        _decode_tail_kernel[(tokens, triton.cdiv(hidden, TAIL_BLOCK_N))](
             h, down, blocks.pair_row, blocks.block_expert, weights, shared_partials, shared_down, out,
             hidden, inter, shared_two // 2, h.stride(0), down.stride(0), down.stride(1), shared_partials.stride(0),
             shared_partials.stride(1), shared_down.stride(0), TOP_K=blocks.top_k, BLOCK_M=blocks.block_m,
@@ -362,10 +369,11 @@ def _decode_tail_kernel(h_ptr, down_ptr, pair_row_ptr, expert_ptr, weight_ptr, p
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_I: tl.constexpr, BLOCK_S: tl.constexpr):
     """out[t, n tile] = (sum_j weight_tj * (h_tj @ down_e(tj)[n tile]^T)).to(dtype) + shared[t, n
-    tile], token t = program_id(1); the products as fp32 sums of elementwise products over K tiles
-    of BLOCK_I (BLOCK_S: the shared expert's)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t = tl.program_id(1)
+    tile], token t = program_id(0); the products as fp32 sums of elementwise products over K tiles
+    of BLOCK_I (BLOCK_S: the shared expert's). The tokens of a column tile run next to each other,
+    so the rows of an expert several tokens chose (and the shared down's) are read once into L2."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < D
     dtype = out_ptr.dtype.element_ty
     parts = part_ptr + t * stride_part_t

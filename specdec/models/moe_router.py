@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from specdec.models.config import DeepseekV3Config
-from specdec.models.ops import dot_precision, pow2
+from specdec.models.ops import dot_precision, pow2, summed
 from specdec.triton_lang import jit as _jit, tl, triton
 
 ROUTER_CHUNK = 512  # the columns of D one partial sum of the router's logits covers
@@ -102,11 +102,11 @@ def triton_route(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekV3Config
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
-        _route_kernel[(tokens,)](partial, bias, weights, ids, splits, partial.stride(0), partial.stride(1),
-                                 float(cfg.routed_scaling_factor),
-                                 GROUPS=groups, PER_GROUP=per_group, TOPK_GROUP=cfg.topk_group, TOP_K=top_k,
-                                 NORMALISE=bool(cfg.norm_topk_prob), G_BLOCK=pow2(groups),
-                                 PG_BLOCK=pow2(per_group), K_BLOCK=pow2(top_k), num_warps=1)
+        _route_kernel[(tokens,)](partial, bias, weights, ids, partial.stride(0), partial.stride(1),
+                                 float(cfg.routed_scaling_factor), SPLITS=splits, GROUPS=groups,
+                                 PER_GROUP=per_group, TOPK_GROUP=cfg.topk_group, TOP_K=top_k,
+                                 NORMALISE=bool(cfg.norm_topk_prob), G_BLOCK=pow2(groups), PG_BLOCK=pow2(per_group),
+                                 K_BLOCK=pow2(top_k), num_warps=1)
     return weights, ids
 
 
@@ -117,18 +117,17 @@ def _first_max(values, index, NONE: tl.constexpr):
 
 
 @_jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, S, stride_split, stride_logits, scale,
-                  GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                  NORMALISE: tl.constexpr, G_BLOCK: tl.constexpr, PG_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_split, stride_logits, scale,
+                  SPLITS: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  TOP_K: tl.constexpr, NORMALISE: tl.constexpr, G_BLOCK: tl.constexpr, PG_BLOCK: tl.constexpr,
+                  K_BLOCK: tl.constexpr):
     """Token t's route; its experts as a [group, member] tile, padding lanes at -inf."""
     t = tl.program_id(0)
     group, member = tl.arange(0, G_BLOCK), tl.arange(0, PG_BLOCK)
     real = (group < GROUPS)[:, None] & (member < PER_GROUP)[None, :]
     expert = tl.where(real, group[:, None] * PER_GROUP + member[None, :], GROUPS * PER_GROUP)
     row = logits_ptr + t.to(tl.int64) * stride_logits + expert
-    logit = tl.load(row, mask=real, other=0.0)
-    for s in range(1, S):  # the partial sums in order
-        logit += tl.load(row + s * stride_split, mask=real, other=0.0)
+    logit = summed(row, stride_split, real, SPLITS)  # unrolled: the SPLITS loads go out together
     score = tl.sigmoid(logit)
     choice = tl.where(real, score + tl.load(bias_ptr + expert, mask=real, other=0.0), float("-inf"))
     # A group's score: its two best choices, as topk(2).values.sum() (a tie for the best is both).
