@@ -309,6 +309,7 @@ def test_triton_path_under_triton_interpreter():
 import torch
 from specdec.models import gemv, moe as moe_module, ops
 from test_moe import assert_matches, make_moe, reference
+from model_reference import norm_ref
 
 def torch_ran(*args, **kwargs):
     raise AssertionError("the torch path ran")
@@ -349,9 +350,7 @@ for dtype, tokens, hidden, overrides in cases:
         assert torch.equal(normed, want_normed) and torch.equal(h, want_h)
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(h, got if r is None else r + got, **tol)  # the interpreter rounds its own way
-        f = h.float()  # and the norm itself, written out
-        torch.testing.assert_close(normed, norm * (f / torch.sqrt(f.square().mean(-1, keepdim=True) + 1e-6)).to(dtype),
-                                   **tol)
+        torch.testing.assert_close(normed, norm_ref(h, norm, 1e-6), **tol)  # and the norm itself
 print("ok")
 """)
 

@@ -12,24 +12,12 @@ from specdec.models import ops
 
 _CHECKS = """
 import torch
+from model_reference import norm_ref, rope_ref
 from specdec.models import ops
 
 
 def tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-
-
-def norm_ref(x, w, eps):  # DeepseekV3RMSNorm's arithmetic, written out
-    f = x.float()
-    return w * (f / torch.sqrt(f.square().sum(-1, keepdim=True) / f.shape[-1] + eps)).to(x.dtype)
-
-
-def rope_ref(x, cos, sin, interleave):  # transformers' rotate_half form; x [T, ..., 64] fp32, cos/sin [T, 32]
-    if interleave:  # pairs (x0, x1), (x2, x3), ... de-interleaved first
-        x = x.unflatten(-1, (32, 2)).transpose(-1, -2).flatten(-2)
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (64,)
-    c, s = torch.cat([cos, cos], -1).view(shape), torch.cat([sin, sin], -1).view(shape)
-    return x * c + torch.cat([-x[..., 32:], x[..., :32]], -1) * s
 
 
 def in_order(parts):  # [S, ...] fp32 partial sums, first to last
