@@ -46,6 +46,10 @@ def check_all(device, dtypes):
             if device == "cuda" and m <= gemv.GEMV_MAX_ROWS:
                 assert torch.equal(gemv.linear_silu(x, gu_w), want)
 
+        w, x = (rand(70, 512) / 512 ** 0.5).to(dtype), rand(gemv.PARTS_MAX_ROWS, 512).to(dtype)  # a verify's rows
+        got = gemv.triton_linear_parts(x, w, 2)
+        assert got.shape == (2, gemv.PARTS_MAX_ROWS, 70) and got.dtype == torch.float32
+        torch.testing.assert_close(ops.summed_in_order(got).to(dtype), (x.float() @ w.float().T).to(dtype), **TOL)
         check_pick(rand, dtype)
         check_add_rows(rand, dtype)
         wide = lambda: gemv.triton_linear(rand(2, 10).to(dtype), rand(4, 6).to(dtype))
@@ -126,6 +130,8 @@ def test_k_parts_fill_one_wave_where_the_tiles_do_not():
     assert gemv.k_parts(2112, 512) == 2  # each part at least two K tiles
     x, w = torch.randn(3, 7168, dtype=torch.bfloat16), torch.randn(2112, 7168, dtype=torch.bfloat16)
     assert torch.equal(gemv.linear_parts(x, w), F.linear(x, w))  # no GEMV on the CPU: the product itself, no parts
+    with pytest.raises(ValueError, match="at most 128 rows, not 129"):
+        gemv.triton_linear_parts(torch.randn(129, 7168, dtype=torch.bfloat16), w, 4)
 
 
 @pytest.mark.parametrize("rows", [1, gemv.GEMV_MAX_ROWS])
@@ -133,7 +139,8 @@ def test_gemv_compiles_for_sm90(monkeypatch, rows):
     """Without a GPU: the rank slice's layer GEMVs (qkv_a also in parts of K, gate_up also with its
     silu epilogue), its head with
     the greedy picks (and their reduce) and the MTP layer's eh_proj half with its table rows, at
-    one row and at GEMV_MAX_ROWS, compile for H200, each within a block's shared memory."""
+    one row and at GEMV_MAX_ROWS (qkv_a's parts also at PARTS_MAX_ROWS), compile for H200, each within a
+    block's shared memory."""
     pytest.importorskip("triton.backends.nvidia")
     from sm90_compile import H200_SHARED_MEMORY, Recorder, compile_for_sm90
 
@@ -143,12 +150,14 @@ def test_gemv_compiles_for_sm90(monkeypatch, rows):
     for n, k in ((2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168)):
         gemv.triton_linear(torch.empty(rows, k, **bf16), torch.empty(n, k, **bf16))
     gemv.triton_linear_parts(torch.empty(rows, 7168, **bf16), torch.empty(2112, 7168, **bf16), 4)
+    if rows == gemv.GEMV_MAX_ROWS:  # and a verify's rows in one block
+        gemv.triton_linear_parts(torch.empty(gemv.PARTS_MAX_ROWS, 7168, **bf16), torch.empty(2112, 7168, **bf16), 4)
     gemv.triton_linear(torch.empty(rows, 2304, **bf16), torch.empty(7168, 2304, **bf16))
     gemv.triton_linear_silu(torch.empty(rows, 7168, **bf16), torch.empty(4608, 7168, **bf16))
     monkeypatch.setattr(gemv, "_pick_kernel", Recorder(gemv._pick_kernel, launches))
     gemv.triton_linear_argmax(torch.empty(rows, 7168, **bf16), torch.empty(16160, 7168, **bf16))[1].top1()
     gemv.triton_linear_add_rows(torch.empty(rows, 7168, **bf16), torch.empty(7168, 7168, **bf16),
                                 torch.empty(16160, 7168, **bf16), torch.zeros(rows, dtype=torch.long))
-    assert len(launches) == 10
+    assert len(launches) == (11 if rows == gemv.GEMV_MAX_ROWS else 10)
     for launch in launches:
         assert compile_for_sm90(*launch).metadata.shared <= H200_SHARED_MEMORY

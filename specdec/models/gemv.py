@@ -21,12 +21,13 @@ from specdec.models import ops
 from specdec.triton_lang import jit as _jit, on_triton, tl, triton
 
 GEMV_MAX_ROWS = 32  # decode GEMMs of at most this many rows stream the weight once in the GEMV
+PARTS_MAX_ROWS = 128  # linear_parts' GEMV serves up to this many rows, past 32 in one block of them all
 
 
-def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The GEMV serves: a 16-bit x of at most GEMV_MAX_ROWS unit-stride rows, a contiguous weight of
-    x's dtype."""
-    return (on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.is_contiguous()
+def streams(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """The GEMV serves: a 16-bit x of at most max_rows unit-stride rows, a contiguous weight of x's
+    dtype."""
+    return (on_triton(x, weight) and x.dim() == 2 and x.shape[0] <= max_rows and weight.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.stride(1) == 1)
 
 
@@ -44,8 +45,10 @@ def linear_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     where the GEMV serves and a weight of few rows would leave SMs idle (k_parts > 1); their sum
     added in order and rounded to x's dtype is the product (ops.product_values: the consumer adds
     them as it loads). Else linear(x, weight), ``[M, N]``. E.g. qkv_a ``[2112, 7168]``: 33 tiles of
-    64 rows x 4 parts of 1792 fill 132 SMs, where 132 tiles of 16 rows ran mma.sync, not a wgmma."""
-    if streams(x, weight):
+    64 rows x 4 parts of 1792 fill 132 SMs, where 132 tiles of 16 rows ran mma.sync, not a wgmma.
+    Up to PARTS_MAX_ROWS rows (a verify's 128 tokens), where cuBLAS splits K as well and adds its
+    parts in a kernel of its own, the consumer adds them."""
+    if streams(x, weight, PARTS_MAX_ROWS):
         parts = k_parts(*weight.shape, _multiprocessors(x.device))
         if parts > 1:
             return triton_linear_parts(x, weight, parts)
@@ -63,8 +66,13 @@ def k_parts(n: int, k: int, sms: int = 132) -> int:
 
 def triton_linear_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """linear_parts' GEMV (any device Triton runs on, its interpreter included): ``[parts, M, N]``
-    fp32, in 64-row tiles of 128-column K steps."""
-    return _launch(x, weight, (64, 128, 4, 6), None, parts=parts)
+    fp32, in 64-row tiles of 128-column K steps (past GEMV_MAX_ROWS rows, one block of up to
+    PARTS_MAX_ROWS: 8 warps, 4 stages)."""
+    if x.shape[0] > PARTS_MAX_ROWS:
+        raise ValueError(f"linear_parts: at most {PARTS_MAX_ROWS} rows, not {x.shape[0]}")
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return _launch(x, weight, (64, 128, 4, 6), None, parts=parts)
+    return _launch(x, weight, (64, 128, 8, 4), None, parts=parts, block_m=PARTS_MAX_ROWS)
 
 
 def triton_linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, "HeadPick"]:
@@ -174,12 +182,13 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, config: Optional[tuple[
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, config, out_dtype,
             pick: Optional[HeadPick] = None, rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-            parts: int = 1, glu: bool = False) -> torch.Tensor:
+            parts: int = 1, glu: bool = False, block_m: Optional[int] = None) -> torch.Tensor:
     """x ``[M, K]``; pick: the HeadPick whose parts the programs write (gemv_config's tiles);
     rows: (table, ids) whose
     rows the output adds before its rounding (linear_add_rows); parts > 1: the output is
     ``[parts, M, N]`` fp32, the sums over K's parts of config's K tiles (linear_parts); glu: the
-    output is silu(gate) * up ``[M, N / 2]`` of the weight's halves (linear_silu)."""
+    output is silu(gate) * up ``[M, N / 2]`` of the weight's halves (linear_silu); block_m: x's rows
+    a program takes (None: 16, or 32 past 16 rows)."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -191,7 +200,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config, out_dtype,
     if m:
         block_n, block_k, warps, stages = config or gemv_config(n, k, _multiprocessors(x.device))
         k_part = triton.cdiv(triton.cdiv(k, parts), block_k) * block_k
-        block_m = 16 if m <= 16 else 32
+        block_m = block_m or (16 if m <= 16 else 32)
         grid = (triton.cdiv(n // 2 if glu else n, block_n // 2 if glu else block_n), triton.cdiv(m, block_m), parts)
         if pick is not None and pick.keys.shape[1] != grid[0]:
             raise ValueError(f"triton_linear_argmax: {grid[0]} programs for {pick.keys.shape[1]} parts")
